@@ -1,0 +1,189 @@
+"""QuaRot (Ashkboos et al., 2024) adapted to the recurrent state: rotate both sides, then quantize per column.
+
+QuaRot removes activation and KV-cache outliers by multiplying with randomized Hadamard matrices that the
+network absorbs.  A state ``S`` (``[d_k, d_v]``) has a key side and a value side, so we rotate both:
+
+    S' = H_k S H_v^T,    H = W_n Diag(s)
+
+with ``W_n`` the normalized Walsh-Hadamard matrix (entries +-1/sqrt(n)) and ``s`` random +-1 signs drawn
+from ``seed``.  The rotations are fixed functions of ``(dim, seed)``, regenerated on demand and never
+stored, so they cost no bits.  ``S'`` is quantized with a symmetric integer grid and one fp32 scale per
+value column (``col``, reduced over keys); dequantization rotates back, ``S = H_k^T S' H_v``.
+
+Dimensions that are not powers of two have no Sylvester Hadamard matrix.  QuaRot itself composes a
+power-of-two Hadamard with a few hand-tabulated orders (12, 20, 28, ...); we use a seeded Haar-random
+orthogonal matrix instead (QR of a Gaussian, signs fixed by ``diag(R)``), which spreads outliers at least
+as well and covers every size, at the cost of a dense ``O(n^2)`` product rather than a fast transform.
+
+This module also hosts the helpers the three baselines share (rotations, input and config checks).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from ...errors import LeapQuantError
+from ...formats.base import QuantizedState, StateFormat
+from ...formats.elements import IntElement
+
+__all__ = ["QuaRot", "random_orthogonal", "randomized_hadamard"]
+
+_SEED_LIMIT = 2**63
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+@functools.lru_cache(maxsize=64)
+def _orthogonal64(kind: str, dim: int, seed: int) -> torch.Tensor:
+    """A ``[dim, dim]`` float64 CPU orthogonal matrix, the master of every dtype/device copy."""
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "hadamard" and _is_power_of_two(dim):
+        w = torch.ones(1, 1, dtype=torch.float64)
+        while w.shape[0] < dim:  # Sylvester: W_2n = [[W, W], [W, -W]]
+            w = torch.cat([torch.cat([w, w], 1), torch.cat([w, -w], 1)], 0)
+        signs = torch.randint(0, 2, (dim,), generator=gen).to(torch.float64) * 2 - 1
+        return w / dim**0.5 * signs  # W_n @ Diag(s): scales column j by s_j
+    g = torch.randn(dim, dim, generator=gen, dtype=torch.float64)
+    q, r = torch.linalg.qr(g)
+    # Without the sign fix QR's output is not Haar-distributed (it depends on LAPACK's sign convention).
+    return q * torch.where(torch.diagonal(r) < 0, -1.0, 1.0).to(torch.float64)
+
+
+@functools.lru_cache(maxsize=256)
+def _cached(kind: str, dim: int, dtype: torch.dtype, device: torch.device, seed: int) -> torch.Tensor:
+    return _orthogonal64(kind, dim, seed).to(device=device, dtype=dtype)
+
+
+def _check_dim_seed(dim: int, seed: int) -> None:
+    if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
+        raise LeapQuantError(f"rotation dimension must be a positive int, got {dim!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < _SEED_LIMIT:
+        raise LeapQuantError(f"rotation seed must be an int in [0, 2^63), got {seed!r}")
+
+
+def randomized_hadamard(
+    dim: int,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float64,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """QuaRot's rotation ``[dim, dim]``: ``W_n Diag(s)`` for a power of two, else :func:`random_orthogonal`.
+
+    Cached per ``(dim, dtype, device, seed)``; the returned tensor is shared, do not modify it in place.
+    """
+    _check_dim_seed(dim, seed)
+    return _cached("hadamard", dim, dtype, torch.device(device), seed)
+
+
+def random_orthogonal(
+    dim: int,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float64,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """A seeded Haar-random orthogonal ``[dim, dim]`` matrix (QR of a Gaussian with the sign fix); cached."""
+    _check_dim_seed(dim, seed)
+    return _cached("haar", dim, dtype, torch.device(device), seed)
+
+
+def check_state(fmt: StateFormat, x: torch.Tensor) -> None:
+    """The base shape/float checks plus the dtypes the baselines compute in (float32, float64)."""
+    fmt._check(x)
+    if x.dtype not in (torch.float32, torch.float64):
+        raise LeapQuantError(f"{fmt.name}: a state must be float32 or float64, got {x.dtype}")
+
+
+def check_parts(fmt: StateFormat, q: QuantizedState) -> None:
+    if q.format != fmt.name:
+        raise LeapQuantError(f"{fmt.name}: cannot dequantize a state quantized as {q.format!r}")
+
+
+def check_int(owner: str, field: str, value: object, lo: int, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise LeapQuantError(f"{owner}: {field} must be an int in [{lo}, {hi}], got {value!r}")
+
+
+def check_bool(owner: str, field: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise LeapQuantError(f"{owner}: {field} must be a bool, got {value!r}")
+
+
+def safe_divisor(scale: torch.Tensor) -> torch.Tensor:
+    """All-zero channels get scale 0; divide by 1 there so their codes are 0 instead of NaN."""
+    return torch.where(scale > 0, scale, torch.ones_like(scale))
+
+
+@dataclass(frozen=True)
+class QuaRot(StateFormat):
+    """Two-sided randomized-Hadamard rotation, then symmetric ``int{bits}`` with fp32 per-column scales.
+
+    Parts of the :class:`QuantizedState`: ``codes`` int8 ``[..., d_k, d_v]`` (grid values of the rotated
+    state) and ``scale`` float32 ``[..., 1, d_v]``.  Storage: ``bits + 32 / d_k`` bits per element.
+
+    Attributes:
+        bits: integer width, 2..8.
+        seed: seed of the rotations' random signs (or Haar matrices); a fixed seed costs no storage.
+        stochastic: stochastic rounding onto the grid (uses the ``generator`` passed to ``quantize``).
+    """
+
+    bits: int = 8
+    seed: int = 0
+    stochastic: bool = False
+
+    def __post_init__(self) -> None:
+        check_int("quarot", "bits", self.bits, 2, 8)
+        check_int("quarot", "seed", self.seed, 0, _SEED_LIMIT - 1)
+        check_bool("quarot", "stochastic", self.stochastic)
+
+    @property
+    def name(self) -> str:
+        seed = f"-seed{self.seed}" if self.seed else ""
+        return f"quarot-int{self.bits}{seed}"
+
+    def bits_per_element(self, d_k: int, d_v: int) -> float:
+        return self.bits + 32 / d_k
+
+    def _rotations(self, x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        d_k, d_v = x.shape[-2], x.shape[-1]
+        return (
+            randomized_hadamard(d_k, seed=self.seed, dtype=dtype, device=x.device),
+            randomized_hadamard(d_v, seed=self.seed, dtype=dtype, device=x.device),
+        )
+
+    def _grid(self, x: torch.Tensor, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Grid values of the rotated state (input dtype) and the fp32 per-column scale."""
+        h_k, h_v = self._rotations(x, x.dtype)
+        y = h_k @ x @ h_v.T
+        elem = IntElement(self.bits)
+        scale = (y.abs().amax(dim=-2, keepdim=True) / elem.max_value).to(torch.float32)
+        grid = elem.round(
+            y / safe_divisor(scale.to(x.dtype)), stochastic=self.stochastic, generator=generator
+        )
+        return grid, scale
+
+    def _unrotate(self, grid: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        h_k, h_v = self._rotations(grid, dtype)
+        return h_k.T @ (grid * scale.to(dtype)) @ h_v
+
+    def quantize(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> QuantizedState:
+        check_state(self, x)
+        grid, scale = self._grid(x, generator)
+        codes = IntElement(self.bits).encode(grid)
+        return QuantizedState(self.name, x.shape, {"codes": codes, "scale": scale})
+
+    def dequantize(self, q: QuantizedState, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        check_parts(self, q)
+        grid = IntElement(self.bits).decode(q["codes"], dtype)
+        return self._unrotate(grid, q["scale"], dtype)
+
+    def fake_quantize(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> torch.Tensor:
+        check_state(self, x)
+        grid, scale = self._grid(x, generator)  # grid values are exact small integers: no int8 round trip
+        return self._unrotate(grid, scale, x.dtype)
