@@ -1,0 +1,228 @@
+"""Method configurations and the method-name grammar.
+
+A method name is ``CODEC[/wP][+OPTION]...``:
+
+* ``CODEC`` is a state format (``int8``, ``bf16``, ``fp8-e4m3``, ``mxfp4``, ``nvfp4``, ...) or an adapted
+  baseline (``kvquant-int8``, ``quarot-int8``, ``turboquant-8``, ...);
+* ``/wP`` quantizes once per window of P records (without it: after every record, the per-step baseline);
+* ``+ctR`` keeps R compensator tokens in fp16 (``+svd`` fits them by exact SVD instead of power iteration,
+  ``+itN`` sets N power iterations per window boundary);
+* ``+smooth`` applies residual smoothing;
+* ``+rec16`` / ``+recbf16`` / ``+rec32`` choose the record-buffer precision (default: fp16, or full precision
+  when the state itself is full precision);
+* ``+sr`` rounds the state stochastically.
+
+Aliases name the configurations the paper evaluates; :func:`method_names` lists them all.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import cached_property
+
+from ..errors import LeapQuantError
+from ..formats.base import StateFormat
+
+__all__ = ["ALIASES", "BASELINE_METHODS", "MethodConfig", "method_names", "parse_method", "resolve_codec"]
+
+ALIASES = {
+    "leapquant-int8": "int8/w16+ct4+smooth",
+    "leapquant-int6": "int6/w16+ct4+smooth",
+    "leapquant-int4": "int4/w16+ct8+smooth",
+}
+
+# The per-step rows of the paper's Tables 1 and 5 (direct formats and adapted baselines) at 16/8/6/4 bits.
+BASELINE_METHODS = (
+    "fp32",
+    "bf16",
+    "fp16",
+    "fp8-e4m3",
+    "fp8-e5m2",
+    "int8",
+    "mxfp8",
+    "kvquant-int8",
+    "quarot-int8",
+    "turboquant-8",
+    "int6",
+    "mxfp6-e2m3",
+    "mxfp6-e3m2",
+    "nvfp6",
+    "kvquant-int6",
+    "quarot-int6",
+    "turboquant-6",
+    "int4",
+    "mxfp4",
+    "nvfp4",
+    "kvquant-int4",
+    "quarot-int4",
+    "turboquant-4",
+)
+
+RECORD_PRECISIONS = {"fp32": 4, "fp16": 2, "bf16": 2}
+_OPTION = re.compile(r"^(ct(\d+)|it(\d+)|svd|smooth|sr|rec(16|bf16|32))$")
+
+
+def resolve_codec(name: str, *, stochastic: bool = False) -> StateFormat:
+    """A state format or adapted baseline by name (raises LeapQuantError if it is neither)."""
+    from ..formats import get_format
+    from .baselines import get_baseline
+
+    baseline = get_baseline(name, stochastic=stochastic)
+    if baseline is not None:
+        return baseline
+    return get_format(name, stochastic=stochastic)
+
+
+@dataclass(frozen=True)
+class MethodConfig:
+    """How a state is stored and when it is quantized.
+
+    Attributes:
+        codec: state format or adapted baseline name for the (residual) state.
+        window: records per window ``p``; 1 quantizes after every record (per-step).
+        compensators: number ``r`` of compensator tokens (0: none).
+        fit: ``"power"`` (power iteration warm-started from the previous window) or ``"svd"``.
+        power_iters: power iterations at each window boundary.
+        cold_iters: power iterations when a state is first loaded (prefill hand-off) or has no warm start.
+        smoothing: residual smoothing of key rows (eq. 7).
+        record_precision: ``"fp16"``, ``"bf16"`` or ``"fp32"`` for buffered keys and corrections
+            (decays are always kept in fp32); ``None`` picks fp16, or fp32 when the codec is lossless
+            or the window is 1 (per-step: nothing is buffered).
+        compensator_precision: ``"fp16"`` (the paper) or ``"fp32"``.
+        stochastic: stochastic rounding of the state.
+    """
+
+    codec: str
+    window: int = 1
+    compensators: int = 0
+    fit: str = "power"
+    power_iters: int = 1
+    cold_iters: int = 8
+    smoothing: bool = False
+    record_precision: str | None = None
+    compensator_precision: str = "fp16"
+    stochastic: bool = False
+
+    def __post_init__(self) -> None:
+        if self.window < 1:
+            raise LeapQuantError(f"method {self.codec}: window must be >= 1, got {self.window}")
+        if self.compensators < 0:
+            raise LeapQuantError(f"method {self.codec}: compensators must be >= 0, got {self.compensators}")
+        if self.fit not in ("power", "svd"):
+            raise LeapQuantError(f"method {self.codec}: fit must be 'power' or 'svd', got {self.fit!r}")
+        if self.power_iters < 1 or self.cold_iters < 1:
+            raise LeapQuantError(f"method {self.codec}: power iterations must be >= 1")
+        if self.record_precision is not None and self.record_precision not in RECORD_PRECISIONS:
+            raise LeapQuantError(
+                f"method {self.codec}: record precision must be fp32, fp16 or bf16, "
+                f"got {self.record_precision!r}"
+            )
+        if self.compensator_precision not in ("fp16", "fp32"):
+            raise LeapQuantError(
+                f"method {self.codec}: compensator precision must be fp16 or fp32, "
+                f"got {self.compensator_precision!r}"
+            )
+        self.format  # noqa: B018 -- resolve the codec now so an unknown name fails at construction
+
+    @cached_property
+    def format(self) -> StateFormat:
+        """The codec object of the (residual) state."""
+        return resolve_codec(self.codec, stochastic=self.stochastic)
+
+    @property
+    def records(self) -> str:
+        """Record-buffer precision after the default is resolved."""
+        if self.record_precision is not None:
+            return self.record_precision
+        # a per-step method has no buffer: its one record lives in registers at full precision
+        return "fp32" if self.format.lossless or self.window == 1 else "fp16"
+
+    @property
+    def name(self) -> str:
+        """Canonical method name (defaults omitted); ``parse_method(cfg.name) == cfg``."""
+        parts = [self.codec + (f"/w{self.window}" if self.window > 1 else "")]
+        if self.compensators:
+            parts.append(f"ct{self.compensators}")
+            if self.fit == "svd":
+                parts.append("svd")
+            if self.power_iters != 1:
+                parts.append(f"it{self.power_iters}")
+        if self.smoothing:
+            parts.append("smooth")
+        if self.record_precision is not None:
+            parts.append({"fp32": "rec32", "fp16": "rec16", "bf16": "recbf16"}[self.record_precision])
+        if self.stochastic:
+            parts.append("sr")
+        return "+".join(parts)
+
+    def bytes_per_element(self, d_k: int, d_v: int) -> float:
+        """Stored bytes per state element at a window boundary: residual, scales, smoothing, compensators."""
+        elements = d_k * d_v
+        total = self.format.bytes_per_element(d_k, d_v)
+        if self.smoothing:
+            total += 4 * d_k / elements
+        comp_bytes = 2 if self.compensator_precision == "fp16" else 4
+        total += self.compensators * (d_k + d_v) * comp_bytes / elements
+        return total
+
+    def record_buffer_bytes(self, d_k: int, d_v: int, decay_values: int | None = None) -> int:
+        """Bytes of one head's record buffer: p records of fp32 decay, key and correction, plus the position.
+
+        ``decay_values`` is the number of decay values per record (1 for a scalar decay such as GDN's,
+        ``d_k`` for KDA; default ``d_k``).  A per-step method buffers nothing.
+        """
+        if self.window == 1:
+            return 0
+        rec = RECORD_PRECISIONS[self.records]
+        decay = d_k if decay_values is None else decay_values
+        return self.window * (4 * decay + rec * (d_k + d_v)) + 4
+
+
+def parse_method(name: str) -> MethodConfig:
+    """Parse a method name (see the module docstring) into a :class:`MethodConfig`."""
+    text = ALIASES.get(name.strip(), name.strip())
+    head, *options = text.split("+")
+    codec, window = head, 1
+    if "/" in head:
+        codec, _, w = head.partition("/")
+        if not re.fullmatch(r"w\d+", w):
+            raise LeapQuantError(
+                f"method {name!r}: window must be written /wP with P a whole number, got /{w}"
+            )
+        window = int(w[1:])
+    fields: dict = {"codec": codec, "window": window}
+    for opt in options:
+        m = _OPTION.match(opt)
+        if not m:
+            raise LeapQuantError(
+                f"method {name!r}: unknown option +{opt} (use +ctR, +svd, +itN, +smooth, +rec16, +recbf16, "
+                "+rec32, +sr)"
+            )
+        if m.group(2):
+            fields["compensators"] = int(m.group(2))
+        elif m.group(3):
+            fields["power_iters"] = int(m.group(3))
+        elif opt == "svd":
+            fields["fit"] = "svd"
+        elif opt == "smooth":
+            fields["smoothing"] = True
+        elif opt == "sr":
+            fields["stochastic"] = True
+        else:
+            fields["record_precision"] = {"16": "fp16", "bf16": "bf16", "32": "fp32"}[m.group(4)]
+    if ("fit" in fields or "power_iters" in fields) and not fields.get("compensators"):
+        raise LeapQuantError(f"method {name!r}: +svd and +itN need compensator tokens (+ctR)")
+    return MethodConfig(**fields)
+
+
+def method_names() -> list[tuple[str, str]]:
+    """Every named method as ``(name, what it is)``: aliases, LeapQuant ablations and baselines."""
+    rows = [(alias, f"= {target}") for alias, target in ALIASES.items()]
+    rows += [
+        ("int8/w16", "per-window INT8 (ablation)"),
+        ("int8/w16+ct4", "per-window INT8 + 4 compensator tokens (ablation)"),
+        ("bf16/w16", "per-window BF16"),
+    ]
+    rows += [(m, "exact trajectory" if m == "fp32" else "per-step") for m in BASELINE_METHODS]
+    return rows

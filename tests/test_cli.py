@@ -1,0 +1,173 @@
+"""The command line: simulate, synth, methods, demo, and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from leapquant.cli.main import main
+from leapquant.recurrences.records import Records
+from leapquant.traces.io import load_trace, save_trace
+
+REPORT_KEYS = {"output_rel_err", "state_rel_err", "final_state_rel_err", "bytes_per_element"}
+
+
+def small_records(streams=2, steps=40, d_k=8, d_v=6, seed=0) -> Records:
+    g = torch.Generator().manual_seed(seed)
+    key = torch.nn.functional.normalize(
+        torch.randn(streams, steps, d_k, generator=g, dtype=torch.float64), dim=-1
+    )
+    a = torch.full((streams, steps, d_k), 0.99, dtype=torch.float64)
+    return Records(
+        a=a,
+        k=0.5 * key,
+        b=a * key,
+        v=torch.randn(streams, steps, d_v, generator=g, dtype=torch.float64),
+        q=torch.randn(streams, steps, d_k, generator=g, dtype=torch.float64),
+    )
+
+
+@pytest.fixture
+def trace_path(tmp_path):
+    return save_trace(tmp_path / "t.npz", small_records(), meta={"note": "test"})
+
+
+def test_trace_round_trip(tmp_path):
+    rec = small_records()
+    s0 = torch.randn(2, 8, 6, dtype=torch.float64)
+    path = save_trace(tmp_path / "x.npz", rec, s0, {"model": "m"})
+    trace = load_trace(path)
+    assert torch.equal(trace.records.k, rec.k) and torch.equal(trace.initial_state, s0)
+    assert trace.meta == {"model": "m"} and trace.streams == 2
+
+
+def test_single_stream_trace_without_stream_axis(tmp_path):
+    rec = small_records(streams=1)
+    np.savez(tmp_path / "one.npz", **{n: getattr(rec, n)[0].numpy() for n in "akbvq"})
+    trace = load_trace(tmp_path / "one.npz")
+    assert trace.streams == 1 and trace.records.steps == 40
+
+
+def test_simulate_json_has_the_documented_keys(trace_path, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    plot = tmp_path / "r.png"
+    code = main(
+        ["simulate", str(trace_path), "-m", "fp32", "-m", "int8", "-m", "leapquant-int8"]
+        + ["--json", str(out), "--plot", str(plot), "--quiet", "--checkpoints", "4"]
+    )
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert set(report["methods"]) == {"fp32", "int8", "leapquant-int8"}
+    for row in report["methods"].values():
+        assert REPORT_KEYS <= set(row)
+        assert all(len(p) == 2 for p in row["state_rel_err"])
+        assert row["state_rel_err"][-1][0] == 40
+    assert report["methods"]["fp32"]["output_rel_err"] < 1e-12
+    assert report["methods"]["int8"]["output_rel_err"] > 1e-4
+    # d_k=8, d_v=6: int8 payload + 6 fp32 value scales + 8 fp32 smoothing scales + 4 fp16 tokens of 8+6
+    assert report["methods"]["leapquant-int8"]["bytes_per_element"] == pytest.approx(
+        1 + (4 * 6 + 4 * 8 + 4 * (8 + 6) * 2) / 48
+    )
+    assert plot.stat().st_size > 10_000
+    assert "leapquant-int8" in capsys.readouterr().out
+
+
+def write_npz(path, **arrays):
+    np.savez(path, **arrays)
+    return str(path)
+
+
+def bad_traces(tmp_path):
+    rec = small_records()
+    good = {n: getattr(rec, n).numpy() for n in "akbvq"}
+    nan = dict(good, v=good["v"].copy())
+    nan["v"][1, 3, 2] = np.nan
+    return [
+        ("missing", write_npz(tmp_path / "m.npz", **{n: good[n] for n in "akvq"}), "missing array(s) b"),
+        ("shape", write_npz(tmp_path / "s.npz", **dict(good, q=good["q"][:, :, :5])), "q has shape"),
+        ("nan", write_npz(tmp_path / "n.npz", **nan), "NaN or Inf at index (1, 3, 2)"),
+        ("int", write_npz(tmp_path / "i.npz", **dict(good, a=np.ones((2, 40, 8), dtype=np.int32))), "dtype"),
+        ("s0", write_npz(tmp_path / "z.npz", **dict(good, S0=np.zeros((2, 6, 8)))), "S0 has shape"),
+        ("notnpz", str(tmp_path / "t.txt"), "not a readable .npz"),
+        ("nofile", str(tmp_path / "absent.npz"), "no such file"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(7), ids=["missing", "shape", "nan", "int", "s0", "notnpz", "nofile"])
+def test_malformed_trace_gives_one_line_error(case, tmp_path, capsys):
+    (tmp_path / "t.txt").write_text("not a trace")
+    _, path, message = bad_traces(tmp_path)[case]
+    assert main(["simulate", path, "-m", "int8", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and message in err and err.startswith("leapquant: error:")
+
+
+@pytest.mark.parametrize(
+    ("method", "message"), [("int9", "unknown format 'int9'"), ("int8/w16+foo", "unknown option +foo")]
+)
+def test_unknown_method_gives_one_line_error(trace_path, capsys, method, message):
+    assert main(["simulate", str(trace_path), "-m", method, "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and message in err
+
+
+def test_methods_lists_leapquant_int8_at_1_19(capsys):
+    assert main(["methods"]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if "leapquant-int8" in x)
+    assert "1.1875" in line
+
+
+def test_synth_then_simulate(tmp_path):
+    out = tmp_path / "kda.npz"
+    assert (
+        main(
+            [
+                "synth",
+                "--family",
+                "kda",
+                "--streams",
+                "2",
+                "--tokens",
+                "64",
+                "--dk",
+                "16",
+                "--dv",
+                "8",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    trace = load_trace(out)
+    assert trace.records.k.shape == (2, 64, 16) and trace.meta["family"] == "kda"
+
+
+def test_demo_runs_as_a_module(tmp_path):
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "leapquant",
+            "demo",
+            "--tokens",
+            "96",
+            "--streams",
+            "1",
+            "--out",
+            str(tmp_path),
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads((tmp_path / "demo.json").read_text())
+    assert "leapquant-int8" in report["methods"] and (tmp_path / "demo.png").exists()
