@@ -132,6 +132,9 @@ def print_report(report: dict, title: str) -> None:
 
 
 def _write_outputs(report: dict, json_path: str | None, plot_path: str | None, title: str) -> None:
+    from ..eval.provenance import provenance
+
+    report["provenance"] = provenance()
     if json_path:
         path = Path(json_path)
         path.parent.mkdir(parents=True, exist_ok=True)

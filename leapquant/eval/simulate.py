@@ -112,6 +112,12 @@ def simulate(
     if len(set(methods)) != len(methods):
         raise LeapQuantError("simulate: a method is listed twice")
     configs = {m: parse_method(m) for m in methods}
+    for trace in traces:
+        trace.records.check_finite()
+        s0 = trace.initial_state
+        shape = (trace.streams, trace.records.d_k, trace.records.d_v)
+        if s0 is not None and (tuple(s0.shape) != shape or not torch.isfinite(s0).all()):
+            raise LeapQuantError(f"trace {trace.name}: initial state must be finite with shape {shape}")
     longest = max(t.records.steps for t in traces)
     steps = checkpoint_steps(longest, checkpoints)
     pools = {m: _Pool() for m in methods}
