@@ -32,10 +32,7 @@ SHAPES = [
 ]
 DTYPES = [pytest.param(torch.float32, id="f32"), pytest.param(torch.float64, id="f64")]
 NAMES = [pytest.param(n, id=n) for n in baseline_names()]
-NAMES += [
-    pytest.param(n, id=n)
-    for n in ("kvquant-nuq4-o0.05", "kvquant-int8-o0.0", "quarot-int4-seed3")
-]
+NAMES += [pytest.param(n, id=n) for n in ("kvquant-nuq4-o0.05", "kvquant-int8-o0.0", "quarot-int4-seed3")]
 FAMILIES = [
     pytest.param(f, id=f) for f in ("kvquant-int{}", "kvquant-nuq{}", "quarot-int{}", "turboquant-{}")
 ]

@@ -12,7 +12,7 @@ __all__ = ["main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import simulate
+    from . import bench, simulate
 
     parser = argparse.ArgumentParser(
         prog="leapquant",
@@ -20,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     simulate.add_parsers(sub)
+    bench.add_parsers(sub)
     return parser
 
 

@@ -36,6 +36,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--plot", metavar="OUT.png", help="write state error against tokens as a PNG")
     p.add_argument("--checkpoints", type=int, default=32, help="state-error checkpoints (default 32)")
     p.add_argument("--seed", type=int, default=0, help="seed for stochastic rounding (default 0)")
+    p.add_argument(
+        "--backend",
+        choices=("reference", "triton"),
+        default="reference",
+        help="reference: float64 methods; triton: the decode kernels (GPU, or CPU with TRITON_INTERPRET=1)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=run_simulate)
 
@@ -83,7 +89,9 @@ def _progress(total: int, quiet: bool):
     )
 
 
-def _run(traces, methods: Sequence[str], checkpoints: int, seed: int, quiet: bool) -> dict:
+def _run(
+    traces, methods: Sequence[str], checkpoints: int, seed: int, quiet: bool, backend="reference"
+) -> dict:
     from ..eval.simulate import simulate
     from ..methods.config import parse_method
 
@@ -91,13 +99,22 @@ def _run(traces, methods: Sequence[str], checkpoints: int, seed: int, quiet: boo
         parse_method(m)
     total = sum(t.records.steps for t in traces) * len(methods)
     progress = _progress(total, quiet)
+    if backend == "triton" and not torch_cuda_available():
+        import os
+
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
+    kwargs = dict(checkpoints=checkpoints, seed=seed, backend=backend)
     if progress is None:
-        return simulate(traces, methods, checkpoints=checkpoints, seed=seed)
+        return simulate(traces, methods, **kwargs)
     with progress:
         task = progress.add_task("replaying", total=total)
-        return simulate(
-            traces, methods, checkpoints=checkpoints, seed=seed, on_step=lambda n: progress.advance(task, n)
-        )
+        return simulate(traces, methods, on_step=lambda n: progress.advance(task, n), **kwargs)
+
+
+def torch_cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def console():
@@ -152,9 +169,9 @@ def run_simulate(args: argparse.Namespace) -> int:
     traces = [load_trace(p) for p in args.traces]
     if args.checkpoints < 1:
         raise LeapQuantError(f"--checkpoints must be >= 1, got {args.checkpoints}")
-    report = _run(traces, args.method, args.checkpoints, args.seed, args.quiet)
+    report = _run(traces, args.method, args.checkpoints, args.seed, args.quiet, args.backend)
     shape = ", ".join(f"{t.name}: {t.streams}x{t.records.steps}" for t in traces)
-    print_report(report, f"leapquant simulate ({shape})")
+    print_report(report, f"leapquant simulate ({shape}, backend {args.backend})")
     _write_outputs(report, args.json, args.plot, None)
     return 0
 

@@ -35,12 +35,17 @@ def replay(
     *,
     seed: int = 0,
     on_step: Callable[[int], None] | None = None,
-) -> tuple[torch.Tensor, dict[int, torch.Tensor], WindowedState]:
-    """Run one trace through one method in float64.
+    backend: str = "reference",
+) -> tuple[torch.Tensor, dict[int, torch.Tensor], int]:
+    """Run one trace through one method: float64 reference, or the Triton kernels (``backend="triton"``).
 
-    Returns ``(outputs [S, T, d_v], {step: state [S, d_k, d_v]}, final WindowedState)``; outputs of
-    records that emit nothing are zero.
+    Returns ``(outputs [S, T, d_v], {step: state [S, d_k, d_v]}, quantizations)``; outputs of records that
+    emit nothing are zero.
     """
+    if backend == "triton":
+        return _replay_kernels(config, trace, checkpoints, on_step)
+    if backend != "reference":
+        raise LeapQuantError(f"unknown backend {backend!r}: use reference or triton")
     rec = trace.records
     state = WindowedState(
         config,
@@ -67,7 +72,67 @@ def replay(
         on_step(rec.steps % 64)
     if rec.emit is not None:
         outputs = outputs * rec.emit[:, None].to(outputs.dtype)
-    return outputs, saved, state
+    return outputs, saved, state.quantizations
+
+
+KERNEL_PER_STEP = ("fp32", "bf16", "int8")
+
+
+def _replay_kernels(
+    config: MethodConfig, trace: Trace, checkpoints: Sequence[int], on_step: Callable[[int], None] | None
+) -> tuple[torch.Tensor, dict[int, torch.Tensor], int]:
+    """The trace through the decode kernels: each stream is one head of one pool slot, fp32 arithmetic.
+
+    Runs on the GPU when there is one, else on the CPU through the Triton interpreter (slow: small traces).
+    """
+    from ..ops.leapquant_decode import leapquant_step_records, load_states, materialize_states
+    from ..ops.per_step_decode import PerStepPool, per_step_records
+    from ..ops.pool import LeapQuantPool, PoolConfig
+
+    rec = trace.records
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    s, d_k, d_v = trace.streams, rec.d_k, rec.d_v
+    slots = torch.zeros(1, dtype=torch.int32, device=device)
+    s0 = trace.initial_state
+    per_step = config.window == 1
+    if per_step:
+        if (
+            config.compensators
+            or config.smoothing
+            or config.codec not in KERNEL_PER_STEP
+            or config.stochastic
+        ):
+            raise LeapQuantError(
+                f"no Triton kernel for {config.name!r}: per-step kernels store {', '.join(KERNEL_PER_STEP)}"
+            )
+        pool = PerStepPool.allocate(config.codec, 1, s, d_k, d_v, device)
+        if s0 is not None:
+            pool.load(slots, s0[None].float().to(device))
+        step_fn, read_fn = per_step_records, lambda: pool.materialize(slots)[0]
+    else:
+        pool = LeapQuantPool.allocate(PoolConfig.from_method(config.name, s, d_k, d_v, "vector"), 1, device)
+        if s0 is not None:
+            load_states(pool, slots, s0[None].float().to(device))
+        step_fn, read_fn = leapquant_step_records, lambda: materialize_states(pool, slots)[0]
+    # log decays; a decay of exactly 0 (a hard reset) becomes e^-69, which is 0 after one more product
+    g_all = rec.a.clamp_min(1e-30).log().float().to(device)
+    x = {n: getattr(rec, n).float().to(device) for n in ("k", "b", "v", "q")}
+    wanted = set(checkpoints)
+    outputs = torch.zeros(s, rec.steps, d_v, dtype=torch.float64)
+    saved = {}
+    for t in range(rec.steps):
+        token = [x[n][None, :, t] for n in ("k", "b", "v", "q")]
+        o = step_fn(pool, slots, g_all[None, :, t], *token, readout=rec.readout)
+        outputs[:, t] = o[0].double().cpu()
+        if t + 1 in wanted:
+            saved[t + 1] = read_fn().double().cpu()
+        if on_step is not None and (t + 1) % 64 == 0:
+            on_step(64)
+    if on_step is not None:
+        on_step(rec.steps % 64)
+    if rec.emit is not None:
+        outputs = outputs * rec.emit[:, None].to(outputs.dtype)
+    return outputs, saved, 1 + int(s0 is not None) + rec.steps // config.window  # as WindowedState counts
 
 
 @dataclass
@@ -97,8 +162,12 @@ def simulate(
     checkpoints: int = 32,
     seed: int = 0,
     on_step: Callable[[int], None] | None = None,
+    backend: str = "reference",
 ) -> dict:
     """Replay ``traces`` through ``methods``; returns the JSON-ready report ``{"methods": {...}, ...}``.
+
+    ``backend="triton"`` runs the methods through the decode kernels instead of the float64 reference
+    (the exact trajectory stays float64).
 
     Per method: ``output_rel_err``, ``state_rel_err`` (``[[step, value], ...]`` at ``checkpoints`` evenly
     spaced steps), ``final_state_rel_err``, ``bytes_per_element`` (boundary storage, weighted over the
@@ -137,9 +206,9 @@ def simulate(
         heads += trace.streams
         for name, cfg in configs.items():
             start = time.perf_counter()
-            out, states, final = replay(cfg, trace, wanted, seed=seed, on_step=on_step)
+            out, states, count = replay(cfg, trace, wanted, seed=seed, on_step=on_step, backend=backend)
             seconds[name] += time.perf_counter() - start
-            quantizations[name] += final.quantizations
+            quantizations[name] += count
             pool = pools[name]
             _Pool.add(pool.out, out, ref_out)
             for s in wanted[:-1]:
@@ -185,6 +254,7 @@ def simulate(
             }
             for t in traces
         ],
-        "reference": "exact recurrence in float64; methods replayed in float64",
+        "reference": "exact recurrence in float64",
+        "backend": backend,
         "checkpoints": steps,
     }

@@ -1,0 +1,229 @@
+"""Kernel benchmark: one decode token of one linear-attention layer, every state format, one registry.
+
+A *variant* is either a fixed baseline (``fla-fp32``: FLA's ``fused_recurrent_*`` with an fp32 state;
+``perstep-fp32|bf16|int8``: our per-step kernels) or any LeapQuant method name that has a kernel
+(``leapquant-int8``, ``int8/w16``, ``fp8-e4m3/w16+ct4+smooth``, ...), optionally suffixed ``:step`` to time
+the step kernel alone (positions frozen) for a breakdown.  Each variant reports the median time per step
+from CUDA-graph replays over rotated inputs and pool slots, the bytes it must move (byte model below), the
+achieved bandwidth and its fraction of the measured copy bandwidth.
+
+Byte model per step (what a perfect kernel reads and writes once): the state format's boundary bytes read,
+the records before the current position read (positions are uniform over the window, so ``(P-1)/2`` on
+average), the new record written, and at the ``1/P`` of heads that close a window the boundary and all ``P``
+records read again and the new boundary written; plus q, k, v, gate, beta read and o written.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import LeapQuantError
+
+__all__ = ["BASELINES", "KernelCase", "bench_variant", "state_bytes_per_step"]
+
+BASELINES = ("fla-fp32", "perstep-fp32", "perstep-bf16", "perstep-int8")
+L2_BYTES = 60 << 20
+
+
+@dataclass(frozen=True)
+class KernelCase:
+    """One layer's decode step: ``n`` sequences, ``heads`` value heads (``key_heads`` query/key heads)."""
+
+    family: str = "gdn"
+    n: int = 512
+    heads: int = 32
+    key_heads: int = 16
+    d_k: int = 128
+    d_v: int = 128
+    dtype: torch.dtype = torch.bfloat16
+
+    def __post_init__(self) -> None:
+        if self.family not in ("gdn", "kda"):
+            raise LeapQuantError(f"bench: family must be gdn or kda, got {self.family!r}")
+        if self.heads % self.key_heads:
+            raise LeapQuantError(f"bench: key heads {self.key_heads} must divide value heads {self.heads}")
+
+    def io_bytes(self) -> int:
+        """q, k, v, gate and beta read, o written, for all sequences."""
+        es = torch.empty((), dtype=self.dtype).element_size()
+        gate = self.heads * (self.d_k if self.family == "kda" else 1) * 4
+        per_seq = 2 * self.key_heads * self.d_k * es + 2 * self.heads * self.d_v * es + gate + self.heads * es
+        return self.n * per_seq
+
+
+def state_bytes_per_step(variant: str, case: KernelCase) -> float:
+    """State bytes one step must move for ``case.n * case.heads`` heads (see the module docstring)."""
+    heads = case.n * case.heads
+    kv = case.d_k * case.d_v
+    if variant == "fla-fp32" or variant == "perstep-fp32":
+        return heads * 8 * kv
+    if variant == "perstep-bf16":
+        return heads * 4 * kv
+    if variant == "perstep-int8":
+        return heads * 2 * (kv + 4 * case.d_v)
+    from ..ops.pool import PoolConfig
+
+    name, step_only = _split(variant)
+    cfg = PoolConfig.from_method(
+        name, case.heads, case.d_k, case.d_v, "vector" if case.family == "kda" else "scalar"
+    )
+    boundary = cfg.boundary_bytes_per_head()
+    rb = 2 if cfg.records == "fp16" else 4
+    record = rb * (case.d_k + case.d_v) + 4 * (case.d_k if cfg.decay == "vector" else 1)
+    p = cfg.window
+    per_head = boundary + (p - 1) / 2 * record + record + 4  # read boundary and records, write one record
+    if not step_only:
+        per_head += 8 + (boundary + p * record + boundary) / p  # positions; window close amortized
+    return heads * per_head
+
+
+def _split(variant: str) -> tuple[str, bool]:
+    if variant.endswith(":step"):
+        return variant[: -len(":step")], True
+    return variant, False
+
+
+def _inputs(case: KernelCase, rotations: int, device: str, gen: torch.Generator) -> list[dict]:
+    """Rotated decode-token inputs: unit-scale q/k, log decays in [-0.1, 0), beta in (0, 1)."""
+    out = []
+    for _ in range(rotations):
+
+        def rnd(*shape, scale=1.0):
+            return (scale * torch.randn(*shape, generator=gen, device=device)).to(case.dtype)
+
+        g_shape = (case.n, case.heads, case.d_k) if case.family == "kda" else (case.n, case.heads)
+        out.append(
+            {
+                "q": rnd(case.n, case.key_heads, case.d_k),
+                "k": rnd(case.n, case.key_heads, case.d_k),
+                "v": rnd(case.n, case.heads, case.d_v),
+                "g": -0.1 * torch.rand(g_shape, generator=gen, device=device),
+                "beta": torch.rand(case.n, case.heads, generator=gen, device=device).to(case.dtype),
+            }
+        )
+    return out
+
+
+def _randomize(pool, gen: torch.Generator) -> None:
+    """Fill a pool with plausible content and positions spread uniformly over the window."""
+    cfg = pool.config
+    t = pool.tensors
+    dev = pool.device
+    if cfg.residual == "int4":
+        t["payload"].copy_(
+            torch.randint(0, 256, t["payload"].shape, generator=gen, device=dev).to(torch.uint8)
+        )
+    elif cfg.residual in ("int8",):
+        t["payload"].copy_(
+            torch.randint(-127, 128, t["payload"].shape, generator=gen, device=dev).to(torch.int8)
+        )
+    else:
+        t["payload"].copy_(torch.randn(t["payload"].shape, generator=gen, device=dev).to(t["payload"].dtype))
+    if "scale" in t:
+        t["scale"].copy_(0.01 + 0.01 * torch.rand(t["scale"].shape, generator=gen, device=dev))
+    if "smooth" in t:
+        t["smooth"].copy_(0.5 + torch.rand(t["smooth"].shape, generator=gen, device=dev))
+    for name in ("comp_k", "comp_u", "rec_k", "rec_u"):
+        if name in t:
+            t[name].copy_((0.1 * torch.randn(t[name].shape, generator=gen, device=dev)).to(t[name].dtype))
+    steps = -0.05 * torch.rand(t["rec_g"].shape, generator=gen, device=dev)
+    t["rec_g"].copy_(steps.cumsum(dim=2))
+    t["pos"].copy_(torch.randint(0, cfg.window, t["pos"].shape[:1], generator=gen, device=dev)[:, None].int())
+
+
+def _fla(case: KernelCase, inputs: list[dict], device: str, gen: torch.Generator) -> Callable[[int], None]:
+    try:
+        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+        from fla.ops.kda import fused_recurrent_kda
+    except ImportError as exc:  # pragma: no cover - GPU only
+        raise LeapQuantError(f"bench: fla-fp32 needs flash-linear-attention installed ({exc})") from None
+    states = [
+        torch.randn(case.n, case.heads, case.d_k, case.d_v, generator=gen, device=device)
+        for _ in range(len(inputs))
+    ]
+
+    def step(i: int) -> None:
+        x = inputs[i]
+        # FLA wants [B, T, H, .] (grouped value heads allowed): one token per sequence as B=n, T=1; g and
+        # beta by keyword, since its positional order puts beta after gk and gv
+        q, k, v = x["q"][:, None], x["k"][:, None], x["v"][:, None]
+        kwargs = dict(initial_state=states[i], output_final_state=True, use_qk_l2norm_in_kernel=True)
+        if case.family == "gdn":
+            fused_recurrent_gated_delta_rule(q, k, v, g=x["g"][:, None], beta=x["beta"][:, None], **kwargs)
+        else:
+            fused_recurrent_kda(q, k, v, g=x["g"][:, None], beta=x["beta"][:, None], **kwargs)
+
+    return step
+
+
+def bench_variant(
+    variant: str,
+    case: KernelCase,
+    *,
+    launch=None,
+    device: str = "cuda",
+    seed: int = 0,
+    use_graph: bool = True,
+) -> dict:
+    """Time one variant on one case; returns a JSON-ready row."""
+    from .timing import time_steps
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    state_bytes = state_bytes_per_step(variant, case)
+    rotations = max(2, min(8, math.ceil(4 * L2_BYTES / state_bytes)))
+    inputs = _inputs(case, rotations, device, gen)
+    slot_sets = [
+        torch.arange(i * case.n, (i + 1) * case.n, device=device, dtype=torch.int32) for i in range(rotations)
+    ]
+    if variant == "fla-fp32":
+        step = _fla(case, inputs, device, gen)
+        io = case.io_bytes()
+    elif variant.startswith("perstep-"):
+        from ..ops.per_step_decode import PerStepPool, per_step_decode
+
+        pool = PerStepPool.allocate(
+            variant.split("-")[1], case.n * rotations, case.heads, case.d_k, case.d_v, device
+        )
+        pool.state.copy_(torch.randn(pool.state.shape, generator=gen, device=device).to(pool.state.dtype))
+
+        def step(i: int) -> None:
+            per_step_decode(pool, slot_sets[i], **inputs[i])
+
+        io = case.io_bytes()
+    else:
+        from ..ops.leapquant_decode import leapquant_decode
+        from ..ops.pool import LeapQuantPool, PoolConfig
+
+        name, step_only = _split(variant)
+        decay = "vector" if case.family == "kda" else "scalar"
+        pool = LeapQuantPool.allocate(
+            PoolConfig.from_method(name, case.heads, case.d_k, case.d_v, decay), case.n * rotations, device
+        )
+        _randomize(pool, gen)
+
+        def step(i: int) -> None:
+            leapquant_decode(
+                pool, slot_sets[i], **inputs[i], validate=False, boundary=not step_only, launch=launch
+            )
+
+        io = case.io_bytes()
+    timing = time_steps(step, rotations, use_graph=use_graph)
+    total = state_bytes + io
+    return {
+        "variant": variant,
+        "family": case.family,
+        "n": case.n,
+        "heads": case.heads,
+        "key_heads": case.key_heads,
+        "d_k": case.d_k,
+        "d_v": case.d_v,
+        **timing,
+        "state_bytes": state_bytes,
+        "io_bytes": io,
+        "gbps": total / (timing["ms"] * 1e-3) / 1e9,
+        "rotations": rotations,
+    }

@@ -1,0 +1,146 @@
+"""``leapquant bench kernel``: the decode-kernel benchmark (GPU), one registry of variants and presets."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from ..errors import LeapQuantError
+
+# Variants that make the paper's Table 2 kernel column, plus our other formats and a step-only breakdown.
+MAIN = (
+    "fla-fp32",
+    "perstep-fp32",
+    "perstep-bf16",
+    "bf16/w16",
+    "perstep-int8",
+    "int8/w16",
+    "int8/w16+ct4",
+    "leapquant-int8",
+    "leapquant-int8:step",
+    "fp8-e4m3/w16+ct4+smooth",
+    "int4/w16+ct8+smooth",
+)
+# The window / rank sweep of the paper's Table 3 (r=4 for the windows, p=16 for the ranks).
+SWEEP = (
+    "fla-fp32",
+    "int8/w8+ct4+smooth",
+    "leapquant-int8",
+    "int8/w32+ct4+smooth",
+    "int8/w16+smooth",
+    "int8/w16+ct2+smooth",
+    "int8/w16+ct8+smooth",
+)
+PRESETS = {"main": MAIN, "sweep": SWEEP}
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="GPU benchmarks (kernel)")
+    bsub = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    k = bsub.add_parser(
+        "kernel",
+        help="one decode token of one layer: FLA FP32 vs per-step vs LeapQuant kernels",
+        description="Median time per decode step (CUDA graphs, rotated inputs and pool slots), achieved GB/s "
+        "against the byte model and the measured copy bandwidth, speedup over FLA FP32 in the same run.",
+    )
+    k.add_argument("--family", default="gdn,kda", help="comma list of gdn, kda (default both)")
+    k.add_argument("--n", default="64,128,256,512,1024", help="comma list of batch sizes")
+    k.add_argument("--heads", type=int, default=32, help="value heads HV (default 32)")
+    k.add_argument("--gdn-key-heads", type=int, default=16, help="GDN query/key heads (Qwen3.5/Next: 16)")
+    k.add_argument("--preset", choices=sorted(PRESETS), default="main")
+    k.add_argument("--variant", "-v", action="append", help="variants instead of the preset (repeatable)")
+    k.add_argument("--step-bv", type=int, default=None, help="launch: value rows per step program")
+    k.add_argument("--step-warps", type=int, default=None, help="launch: warps per step program")
+    k.add_argument("--boundary-warps", type=int, default=None, help="launch: warps per boundary program")
+    k.add_argument("--no-graph", action="store_true", help="time eager launches instead of CUDA graphs")
+    k.add_argument("--json", metavar="OUT", help="write all rows and provenance as JSON")
+    k.add_argument("--markdown", metavar="OUT.md", help="write the table as Markdown")
+    k.add_argument("--plot", metavar="OUT.png", help="plot speedup over FLA FP32 against batch size")
+    k.set_defaults(run=run_kernel)
+
+
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise LeapQuantError(f"{what} must be a comma list of whole numbers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise LeapQuantError(f"{what} must list positive numbers, got {text!r}")
+    return values
+
+
+def run_kernel(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..bench.kernel import KernelCase, bench_variant
+    from ..bench.timing import copy_bandwidth
+    from ..eval.provenance import provenance
+    from ..ops.leapquant_decode import LaunchConfig
+    from .simulate import console
+
+    if not torch.cuda.is_available():
+        raise LeapQuantError(
+            "bench kernel needs a CUDA GPU (kernels are tested on the CPU by pytest instead)"
+        )
+    families = [f for f in args.family.split(",") if f]
+    sizes = _ints(args.n, "--n")
+    variants = args.variant or list(PRESETS[args.preset])
+    defaults = LaunchConfig()
+    launch = LaunchConfig(
+        step_bv=args.step_bv or defaults.step_bv,
+        step_warps=args.step_warps or defaults.step_warps,
+        boundary_warps=args.boundary_warps or defaults.boundary_warps,
+    )
+    copy_gbps = copy_bandwidth()
+    con = console()
+    con.print(f"measured device-to-device copy bandwidth: {copy_gbps:.0f} GB/s (read + write)")
+    rows = []
+    for family in families:
+        for n in sizes:
+            key_heads = args.gdn_key_heads if family == "gdn" else args.heads
+            case = KernelCase(family=family, n=n, heads=args.heads, key_heads=key_heads)
+            base = None
+            for variant in variants:
+                try:
+                    row = bench_variant(variant, case, launch=launch, use_graph=not args.no_graph)
+                except Exception as exc:  # a failing variant must not hide the others' numbers
+                    row = {
+                        "variant": variant,
+                        "family": family,
+                        "n": n,
+                        "error": f"{type(exc).__name__}: {exc}",
+                    }
+                    con.print(f"[red]{family} n={n} {variant}: {row['error']}[/red]")
+                    rows.append(row)
+                    continue
+                row["copy_fraction"] = row["gbps"] / copy_gbps
+                if variant == "fla-fp32":
+                    base = row["ms"]
+                row["speedup_vs_fla_fp32"] = base / row["ms"] if base else None
+                rows.append(row)
+                con.print(
+                    f"{family} n={n:5d} {variant:28s} {row['ms'] * 1e3:9.1f} us  {row['gbps']:7.0f} GB/s  "
+                    f"{100 * row['copy_fraction']:5.1f}% of copy"
+                    + (f"  {row['speedup_vs_fla_fp32']:.2f}x FLA fp32" if row["speedup_vs_fla_fp32"] else "")
+                )
+    report = {
+        "rows": rows,
+        "copy_gbps": copy_gbps,
+        "launch": launch.__dict__,
+        "provenance": provenance(cuda=True),
+    }
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    if args.markdown:
+        from ..bench.report import kernel_markdown
+
+        Path(args.markdown).write_text(kernel_markdown(report))
+        print(f"wrote {args.markdown}")
+    if args.plot:
+        from ..bench.report import plot_kernel
+
+        print(f"wrote {plot_kernel(report, args.plot)}")
+    return 0

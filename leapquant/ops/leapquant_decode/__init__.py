@@ -1,0 +1,271 @@
+"""LeapQuant decode ops on a state pool: one decode step (GDN/KDA or general records), prefill hand-off
+and materialization, each with a Triton kernel (``fused_recurrent.py``) and a torch reference (``naive.py``).
+
+Shapes (``N`` sequences this step, ``H`` key heads, ``HV`` value heads, ``K``/``V`` head dims):
+
+* ``q, k``: ``[N, H, K]``; ``v``: ``[N, HV, V]``; ``g``: ``[N, HV]`` log decay (GDN) or ``[N, HV, K]`` (KDA);
+  ``beta``: ``[N, HV]``; ``slots``: ``[N]`` int32/int64 with -1 for padding.
+* outputs: ``[N, HV, V]`` in ``v``'s dtype (zeros for padded rows); all arithmetic is fp32.
+
+``backend="auto"`` runs the Triton kernels when the pool is on a GPU or ``TRITON_INTERPRET=1`` is set, and
+the reference otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ...errors import LeapQuantError
+from ..pool import LeapQuantPool
+from . import naive
+
+__all__ = ["LaunchConfig", "leapquant_decode", "leapquant_step_records", "load_states", "materialize_states"]
+
+BACKENDS = ("auto", "triton", "reference")
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Launch shape of the two kernels (hand-tuned, never autotuned: the kernels update the pool in place).
+
+    Attributes:
+        step_bv: value rows per program of the step kernel (a divisor of ``V``).
+        step_warps: warps per step program.
+        boundary_warps: warps per boundary program (one whole head each).
+    """
+
+    step_bv: int = 128
+    step_warps: int = 8
+    boundary_warps: int = 8
+
+    def __post_init__(self) -> None:
+        for name in ("step_bv", "step_warps", "boundary_warps"):
+            x = getattr(self, name)
+            if x < 1 or x & (x - 1):
+                raise LeapQuantError(f"launch: {name} must be a power of two, got {x}")
+
+
+def _use_triton(pool: LeapQuantPool, backend: str) -> bool:
+    if backend not in BACKENDS:
+        raise LeapQuantError(f"unknown backend {backend!r}: use {', '.join(BACKENDS)}")
+    if backend == "auto":
+        return pool.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    return backend == "triton"
+
+
+def _pow2(n: int, floor: int = 1) -> int:
+    return max(floor, 1 << max(0, (n - 1).bit_length()))
+
+
+def _check_token(pool: LeapQuantPool, name: str, x: torch.Tensor, shape: tuple[int, ...]) -> None:
+    if tuple(x.shape) != shape:
+        raise LeapQuantError(f"{name} has shape {tuple(x.shape)}, expected {shape}")
+    if x.device != pool.device:
+        raise LeapQuantError(f"{name} is on {x.device}, the pool on {pool.device}")
+    if not x.is_floating_point():
+        raise LeapQuantError(f"{name} must be a float tensor, got {x.dtype}")
+
+
+def _check_decay(pool: LeapQuantPool, g: torch.Tensor, n: int) -> None:
+    cfg = pool.config
+    shape = (n, cfg.heads) if cfg.decay == "scalar" else (n, cfg.heads, cfg.d_k)
+    _check_token(pool, "g", g, shape)
+
+
+def _launch_step(
+    pool, slots, q, k, v, g, beta, b_read, a_log, dt_bias, qk_scale, native, l2norm, sigmoid, pre, launch
+):
+    from .fused_recurrent import RESIDUAL_CODES, step_kernel
+
+    cfg = pool.config
+    n = slots.shape[0]
+    out = torch.empty(n, cfg.heads, cfg.d_v, dtype=v.dtype, device=pool.device)
+    t = pool.tensors
+    dummy = t["pos"]
+    bv = min(cfg.d_v, launch.step_bv)
+    step_kernel[(n * cfg.heads, triton_cdiv(cfg.d_v, bv))](
+        q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(),
+        beta.contiguous() if beta is not None else dummy,
+        b_read.contiguous() if b_read is not None else dummy,
+        a_log, dt_bias, out, slots,
+        t["payload"], t.get("scale", dummy), t.get("smooth", dummy), t.get("comp_k", dummy),
+        t.get("comp_u", dummy), t["rec_g"], t["rec_k"], t["rec_u"], t["pos"],
+        qk_scale,
+        H=q.shape[1] if native else cfg.heads, HV=cfg.heads, K=cfg.d_k, V=cfg.d_v, P=cfg.window,
+        R=cfg.compensators, BV=bv, BP=_pow2(cfg.window), BR=_pow2(cfg.compensators),
+        NATIVE=native, USE_QK_L2NORM=l2norm, BETA_SIGMOID=sigmoid,
+        RESIDUAL=RESIDUAL_CODES[cfg.residual][0], SMOOTH=cfg.smoothing, READ_PRE=pre,
+        num_warps=launch.step_warps,
+    )  # fmt: skip
+    return out
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _launch_boundary(
+    pool: LeapQuantPool, slots: torch.Tensor, dense: torch.Tensor, mode: int, kv: bool, launch: LaunchConfig
+):
+    from ...methods.smoothing import SMOOTHING_FLOOR
+    from .fused_recurrent import RESIDUAL_CODES, boundary_kernel
+
+    cfg = pool.config
+    t = pool.tensors
+    dummy = t["pos"]
+    code, qmax = RESIDUAL_CODES[cfg.residual]
+    boundary_kernel[(slots.shape[0] * cfg.heads,)](
+        slots, dense, t["payload"], t.get("scale", dummy), t.get("smooth", dummy), t.get("comp_k", dummy),
+        t.get("comp_u", dummy), t["rec_g"], t["rec_k"], t["rec_u"], t["pos"], SMOOTHING_FLOOR,
+        HV=cfg.heads, K=cfg.d_k, V=cfg.d_v, P=cfg.window, R=cfg.compensators,
+        BP=_pow2(cfg.window, 16), BR=_pow2(cfg.compensators, 16), MODE=mode, DENSE_KV=kv,
+        ITERS=cfg.cold_iters if mode == 1 else cfg.power_iters, RESIDUAL=code, QMAX=qmax,
+        SMOOTH=cfg.smoothing, VECTOR_DECAY=cfg.decay == "vector", num_warps=launch.boundary_warps,
+    )  # fmt: skip
+
+
+def leapquant_decode(
+    pool: LeapQuantPool,
+    slots: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    beta_sigmoid: bool = False,
+    backend: str = "auto",
+    validate: bool = True,
+    boundary: bool = True,
+    launch: LaunchConfig | None = None,
+) -> torch.Tensor:
+    """One GDN (``g [N, HV]``) or KDA (``g [N, HV, K]``) decode token for every sequence in ``slots``.
+
+    As FLA's ``fused_recurrent_gated_delta_rule`` / ``fused_recurrent_kda`` with ``T=1``: decay before the
+    delta read, q/k L2-normalised in the kernel (``use_qk_l2norm``), ``scale = K**-0.5`` by default.  With
+    ``A_log`` the gate ``g`` is raw and activated in the kernel (``g = -exp(A_log) * softplus(g + dt_bias)``;
+    ``dt_bias`` is ``[HV]`` for GDN, ``[HV*K]`` for KDA); ``beta_sigmoid`` applies ``sigmoid`` to ``beta``.
+    Updates ``pool`` in place (only ``slots``) and returns ``o [N, HV, V]`` in ``v``'s dtype (the kernels
+    compute in fp32).  ``validate=False`` skips the checks that synchronize with the GPU (for CUDA graphs);
+    ``boundary=False`` runs only the step kernel (benchmark breakdowns: positions then never advance).
+    """
+    cfg = pool.config
+    n = slots.shape[0]
+    if validate:
+        pool.check_slots(slots)
+        if q.ndim != 3 or q.shape[0] != n or q.shape[2] != cfg.d_k or cfg.heads % q.shape[1]:
+            raise LeapQuantError(
+                f"q has shape {tuple(q.shape)}, expected [N={n}, H, K={cfg.d_k}], H dividing HV={cfg.heads}"
+            )
+        _check_token(pool, "q", q, q.shape)
+        _check_token(pool, "k", k, tuple(q.shape))
+        _check_token(pool, "v", v, (n, cfg.heads, cfg.d_v))
+        _check_decay(pool, g, n)
+        _check_token(pool, "beta", beta, (n, cfg.heads))
+        if A_log is not None and A_log.shape != (cfg.heads,):
+            raise LeapQuantError(f"A_log has shape {tuple(A_log.shape)}, expected ({cfg.heads},)")
+    qk_scale = cfg.d_k**-0.5 if scale is None else float(scale)
+    if _use_triton(pool, backend):
+        launch = launch or LaunchConfig()
+        out = _launch_step(
+            pool, slots, q, k, v, g, beta, None, A_log, dt_bias, qk_scale,
+            True, use_qk_l2norm, beta_sigmoid, False, launch,
+        )  # fmt: skip
+        if boundary:
+            _launch_boundary(pool, slots, pool.tensors["pos"], 0, True, launch)
+        return out
+    if A_log is not None:
+        g = naive.activate_gate(g, A_log, dt_bias)
+    if beta_sigmoid:
+        beta = torch.sigmoid(beta)
+    gen = naive.native_to_general(q.float(), k.float(), v.float(), g.float(), beta.float(),
+                                  scale=qk_scale, use_qk_l2norm=use_qk_l2norm)  # fmt: skip
+    out = naive.step_ref(pool, slots, *gen)
+    naive.close_ref(pool, slots)
+    return out.to(v.dtype)
+
+
+def leapquant_step_records(
+    pool: LeapQuantPool,
+    slots: torch.Tensor,
+    g: torch.Tensor,
+    kw: torch.Tensor,
+    b: torch.Tensor,
+    v: torch.Tensor,
+    q: torch.Tensor,
+    *,
+    readout: str = "post",
+    backend: str = "auto",
+) -> torch.Tensor:
+    """One step of general-form records (paper eq. 1): log decay ``g``, write key ``kw``, read vector ``b``,
+    query ``q`` (``[N, HV, K]``; ``g`` ``[N, HV]`` for a scalar-decay pool), value ``v [N, HV, V]``."""
+    cfg = pool.config
+    n = slots.shape[0]
+    pool.check_slots(slots)
+    _check_decay(pool, g, n)
+    for name, x in (("kw", kw), ("b", b), ("q", q)):
+        _check_token(pool, name, x, (n, cfg.heads, cfg.d_k))
+    _check_token(pool, "v", v, (n, cfg.heads, cfg.d_v))
+    if readout not in ("post", "pre"):
+        raise LeapQuantError(f"readout must be 'post' or 'pre', got {readout!r}")
+    if _use_triton(pool, backend):
+        launch = LaunchConfig()
+        out = _launch_step(
+            pool, slots, q, kw, v, g, None, b, None, None, 1.0, False, False, False, readout == "pre", launch
+        )
+        _launch_boundary(pool, slots, pool.tensors["pos"], 0, True, launch)
+        return out
+    out = naive.step_ref(pool, slots, g.float(), kw.float(), b.float(), v.float(), q.float(), readout=readout)
+    naive.close_ref(pool, slots)
+    return out
+
+
+def load_states(
+    pool: LeapQuantPool,
+    slots: torch.Tensor,
+    states: torch.Tensor,
+    *,
+    layout: str = "kv",
+    backend: str = "auto",
+) -> None:
+    """Prefill hand-off: quantize full-precision ``states`` into ``slots`` (window position 0).
+
+    ``states`` is ``[N, HV, K, V]`` (``layout="kv"``, FLA's and transformers' ``initial_state``) or
+    ``[N, HV, V, K]`` (``"vk"``); float32/bf16/fp16, finite.
+    """
+    cfg = pool.config
+    n = slots.shape[0]
+    pool.check_slots(slots)
+    if layout not in ("kv", "vk"):
+        raise LeapQuantError(f"layout must be 'kv' ([N, HV, K, V]) or 'vk' ([N, HV, V, K]), got {layout!r}")
+    dims = (cfg.d_k, cfg.d_v) if layout == "kv" else (cfg.d_v, cfg.d_k)
+    _check_token(pool, "states", states, (n, cfg.heads, *dims))
+    if not torch.isfinite(states).all():
+        raise LeapQuantError("states has a NaN or Inf")
+    if _use_triton(pool, backend):
+        _launch_boundary(pool, slots, states.float().contiguous(), 1, layout == "kv", LaunchConfig())
+    else:
+        naive.load_ref(pool, slots, states.float(), layout=layout)
+
+
+def materialize_states(
+    pool: LeapQuantPool, slots: torch.Tensor, *, layout: str = "kv", backend: str = "auto"
+) -> torch.Tensor:
+    """Dense fp32 states of ``slots`` at their current position (``[N, HV, K, V]`` for ``layout="kv"``)."""
+    cfg = pool.config
+    pool.check_slots(slots)
+    if layout not in ("kv", "vk"):
+        raise LeapQuantError(f"layout must be 'kv' or 'vk', got {layout!r}")
+    if _use_triton(pool, backend):
+        dims = (cfg.d_k, cfg.d_v) if layout == "kv" else (cfg.d_v, cfg.d_k)
+        out = torch.empty(slots.shape[0], cfg.heads, *dims, dtype=torch.float32, device=pool.device)
+        _launch_boundary(pool, slots, out, 2, layout == "kv", LaunchConfig())
+        return out
+    return naive.materialize_ref(pool, slots, layout=layout)

@@ -1,0 +1,243 @@
+"""The LeapQuant state pool: one slot per sequence, the layout every decode kernel reads and writes.
+
+Layout (``S`` slots, ``HV`` value heads, ``K``/``V`` head dims, ``P`` window, ``R`` compensator tokens),
+V-first like vLLM and SGLang: the state of a head is stored ``[V, K]`` with keys innermost, so
+
+* a program that owns a tile of value rows reads contiguous 128-byte key rows (coalesced);
+* the per-value-channel scales of the residual are reductions along the contiguous axis;
+* pools are drop-in for engines that already keep ``[slots, HV, V, K]`` states.
+
+===========  ===============================  ====================================================
+tensor       shape                            contents
+===========  ===============================  ====================================================
+payload      ``[S, HV, V, K]``                residual ``C^-1 R`` in the residual format (int8,
+             (int4: ``[S, HV, V, K/2]``)      float8_e4m3fn, bf16 or fp32; int4 packs two keys a
+                                              byte, even key in the low nibble)
+scale        ``[S, HV, V]`` fp32              per-value-channel scale (int8/fp8/int4 only)
+smooth       ``[S, HV, K]`` fp32              smoothing scales ``c`` (when smoothing)
+comp_k       ``[S, HV, R, K]`` fp16           compensator keys ``K~`` (orthonormal columns)
+comp_u       ``[S, HV, R, V]`` fp16           compensator values ``U~ = S^T K~``
+rec_g        ``[S, HV, P]`` or ``[S,HV,P,K]``  cumulative log decay ``G_j`` since the window start
+             fp32                             (scalar for GDN, per key channel for KDA)
+rec_k        ``[S, HV, P, K]`` fp16/fp32      write keys ``k_j`` (beta folded in)
+rec_u        ``[S, HV, P, V]`` fp16/fp32      corrections ``u_j = v_j - S_{j-1}^T b_j``
+pos          ``[S, HV]`` int32                records in the current window, ``0 <= pos < P``
+===========  ===============================  ====================================================
+
+Decays are buffered as cumulative log decays so a read needs one subtraction and one ``exp`` per record
+(``Gamma_{j+1:l} = exp(G_l - G_j)``) instead of a running product; they stay fp32 because decays near 1
+are the ones that matter and fp16 cannot resolve them.  The position is kept per head so the kernel
+that closes windows can advance it without racing other heads of the same slot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import LeapQuantError
+from ..methods.config import MethodConfig
+
+__all__ = ["RESIDUAL_FORMATS", "LeapQuantPool", "PoolConfig"]
+
+# residual format -> (payload dtype, has per-value-channel scale, element max)
+RESIDUAL_FORMATS = {
+    "int8": (torch.int8, True, 127.0),
+    "int4": (torch.uint8, True, 7.0),
+    "fp8-e4m3": (torch.float8_e4m3fn, True, 448.0),
+    "bf16": (torch.bfloat16, False, None),
+    "fp32": (torch.float32, False, None),
+}
+DECAYS = ("scalar", "vector")
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """Shape and method of a pool.
+
+    Attributes:
+        heads: value heads ``HV`` per slot.
+        d_k, d_v: head dims (powers of two for the Triton kernels).
+        window: records per window ``P``.
+        compensators: compensator tokens ``R`` (0..16).
+        smoothing: residual smoothing.
+        residual: ``int8``, ``int4``, ``fp8-e4m3``, ``bf16`` or ``fp32``.
+        records: record precision, ``fp16`` or ``fp32``.
+        decay: ``scalar`` (GDN, one decay per head) or ``vector`` (KDA, one per key channel).
+        power_iters: power iterations per window boundary; cold_iters: at prefill hand-off.
+    """
+
+    heads: int
+    d_k: int = 128
+    d_v: int = 128
+    window: int = 16
+    compensators: int = 4
+    smoothing: bool = True
+    residual: str = "int8"
+    records: str = "fp16"
+    decay: str = "scalar"
+    power_iters: int = 1
+    cold_iters: int = 8
+
+    def __post_init__(self) -> None:
+        if self.residual not in RESIDUAL_FORMATS:
+            raise LeapQuantError(
+                f"pool: residual must be one of {', '.join(RESIDUAL_FORMATS)}, got {self.residual!r}"
+            )
+        if self.records not in ("fp16", "fp32"):
+            raise LeapQuantError(f"pool: records must be fp16 or fp32, got {self.records!r}")
+        if self.decay not in DECAYS:
+            raise LeapQuantError(f"pool: decay must be 'scalar' (GDN) or 'vector' (KDA), got {self.decay!r}")
+        for name in ("heads", "d_k", "d_v", "window", "power_iters", "cold_iters"):
+            if getattr(self, name) < 1:
+                raise LeapQuantError(f"pool: {name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.compensators <= 16:
+            raise LeapQuantError(f"pool: compensators must be in 0..16, got {self.compensators}")
+        if self.residual == "int4" and self.d_k % 2:
+            raise LeapQuantError(f"pool: int4 packs two keys a byte, d_k must be even, got {self.d_k}")
+
+    @classmethod
+    def from_method(cls, method: str, heads: int, d_k: int = 128, d_v: int = 128, decay: str = "scalar"):
+        """The pool for a method name such as ``leapquant-int8`` or ``fp8-e4m3/w16+ct4+smooth``."""
+        from ..methods.config import parse_method
+
+        cfg = parse_method(method)
+        residual = {"int8": "int8", "int4": "int4", "fp8-e4m3": "fp8-e4m3", "bf16": "bf16", "fp32": "fp32"}
+        if cfg.codec not in residual or cfg.window < 2 or cfg.fit != "power" or cfg.stochastic:
+            raise LeapQuantError(
+                f"pool: no kernel for {method!r}; kernels run CODEC/wP[+ctR][+itN][+smooth][+rec16|+rec32] "
+                f"with CODEC in {', '.join(residual)} and P >= 2 (per-step formats use PerStepPool)"
+            )
+        return cls(
+            heads=heads,
+            d_k=d_k,
+            d_v=d_v,
+            window=cfg.window,
+            compensators=cfg.compensators,
+            smoothing=cfg.smoothing,
+            residual=cfg.codec,
+            records="fp32" if cfg.records == "fp32" else "fp16",
+            decay=decay,
+            power_iters=cfg.power_iters,
+            cold_iters=cfg.cold_iters,
+        )
+
+    def method(self) -> MethodConfig:
+        """The reference method this pool implements (:class:`~leapquant.methods.WindowedState`)."""
+        return MethodConfig(
+            codec=self.residual,
+            window=self.window,
+            compensators=self.compensators,
+            power_iters=self.power_iters,
+            cold_iters=self.cold_iters,
+            smoothing=self.smoothing,
+            record_precision=self.records,
+        )
+
+    @property
+    def has_scale(self) -> bool:
+        return RESIDUAL_FORMATS[self.residual][1]
+
+    @property
+    def record_dtype(self) -> torch.dtype:
+        return torch.float16 if self.records == "fp16" else torch.float32
+
+    def shapes(self, slots: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Every tensor of a pool of ``slots`` slots: name -> (shape, dtype)."""
+        s, h, k, v, p, r = slots, self.heads, self.d_k, self.d_v, self.window, self.compensators
+        dtype = RESIDUAL_FORMATS[self.residual][0]
+        out = {"payload": ((s, h, v, k // 2 if self.residual == "int4" else k), dtype)}
+        if self.has_scale:
+            out["scale"] = ((s, h, v), torch.float32)
+        if self.smoothing:
+            out["smooth"] = ((s, h, k), torch.float32)
+        if r:
+            out["comp_k"] = ((s, h, r, k), torch.float16)
+            out["comp_u"] = ((s, h, r, v), torch.float16)
+        out["rec_g"] = ((s, h, p) if self.decay == "scalar" else (s, h, p, k), torch.float32)
+        out["rec_k"] = ((s, h, p, k), self.record_dtype)
+        out["rec_u"] = ((s, h, p, v), self.record_dtype)
+        out["pos"] = ((s, h), torch.int32)
+        return out
+
+    def boundary_bytes_per_head(self) -> int:
+        """Bytes of the quantized boundary state of one head (what the paper's 1.19 B/element counts)."""
+        sizes = self.shapes(1)
+        keys = ("payload", "scale", "smooth", "comp_k", "comp_u")
+        return sum(_nbytes(*sizes[n]) for n in keys if n in sizes) // self.heads
+
+    def bytes_per_slot(self) -> int:
+        """Bytes of one slot: boundary state, record buffer and position for all heads."""
+        return sum(_nbytes(*spec) for spec in self.shapes(1).values())
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n * torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass
+class LeapQuantPool:
+    """A pool of ``slots`` LeapQuant states (see the module docstring for the layout).
+
+    Create with :meth:`allocate`; kernels in :mod:`leapquant.ops.leapquant_decode` update it in place and
+    touch only the slots they are given.
+    """
+
+    config: PoolConfig
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @classmethod
+    def allocate(cls, config: PoolConfig, slots: int, device: torch.device | str = "cpu") -> LeapQuantPool:
+        """A pool whose every slot holds the zero state (as :meth:`WindowedState.load` of zeros)."""
+        if slots < 1:
+            raise LeapQuantError(f"pool: slots must be >= 1, got {slots}")
+        tensors = {
+            name: torch.zeros(shape, dtype=dtype, device=device)
+            for name, (shape, dtype) in config.shapes(slots).items()
+        }
+        pool = cls(config, tensors)
+        pool.reset(torch.arange(slots, device=device))
+        return pool
+
+    @property
+    def slots(self) -> int:
+        return self.tensors["pos"].shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensors["pos"].device
+
+    def __getattr__(self, name: str) -> torch.Tensor:
+        tensors = self.__dict__.get("tensors", {})
+        if name in tensors:
+            return tensors[name]
+        raise AttributeError(name)
+
+    def reset(self, slots: torch.Tensor) -> None:
+        """Set ``slots`` to the zero state (zero residual, unit scales, floor smoothing, no tokens)."""
+        from ..methods.smoothing import SMOOTHING_FLOOR
+
+        idx = self.check_slots(slots, allow_padding=False).long()
+        for name, t in self.tensors.items():
+            value = {"scale": 1.0, "smooth": SMOOTHING_FLOOR}.get(name, 0)
+            t[idx] = value
+
+    def check_slots(self, slots: torch.Tensor, *, allow_padding: bool = True) -> torch.Tensor:
+        """Validate slot indices (int32/int64, 1-D, in range, no duplicates; -1 is padding if allowed)."""
+        if slots.ndim != 1 or slots.dtype not in (torch.int32, torch.int64):
+            raise LeapQuantError(
+                f"slots must be a 1-D int32/int64 tensor, got {slots.dtype} {tuple(slots.shape)}"
+            )
+        if slots.device != self.device:
+            raise LeapQuantError(f"slots are on {slots.device}, the pool on {self.device}")
+        lo = -1 if allow_padding else 0
+        if slots.numel() and (int(slots.min()) < lo or int(slots.max()) >= self.slots):
+            raise LeapQuantError(f"slots must be in [{lo}, {self.slots}), got {slots.tolist()[:16]}")
+        real = slots[slots >= 0]
+        if real.numel() != real.unique().numel():
+            raise LeapQuantError("slots: a slot appears twice in one batch")
+        return slots

@@ -1,0 +1,255 @@
+"""LeapQuant decode kernels (Triton, interpreted on the CPU) against the torch reference and the exact state.
+
+On a GPU the same tests run at full size (K = V = 128); on the CPU, through the Triton interpreter, at small
+sizes.  Inputs are fresh random GDN/KDA tokens; sequences sit at mixed window positions, slots are padded
+with -1, value heads are grouped, and every run crosses at least three window boundaries.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from leapquant.errors import LeapQuantError
+from leapquant.methods.window import WindowedState
+from leapquant.ops import LeapQuantPool, PoolConfig
+from leapquant.ops.leapquant_decode import (
+    leapquant_decode,
+    leapquant_step_records,
+    load_states,
+    materialize_states,
+)
+from leapquant.ops.leapquant_decode.naive import native_to_general
+from leapquant.recurrences.records import Records, exact_recurrence
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FULL = DEVICE == "cuda"
+K, V = (128, 128) if FULL else (16, 32)
+
+
+def tokens(family: str, n: int, h: int, hv: int, gen: torch.Generator):
+    """One decode token of model-native inputs; long-memory decays so the state accumulates."""
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen, device=DEVICE)
+
+    g_shape = (n, hv, K) if family == "kda" else (n, hv)
+    g = -0.02 * torch.rand(g_shape, generator=gen, device=DEVICE)
+    beta = torch.rand(n, hv, generator=gen, device=DEVICE)
+    return rnd(n, h, K), rnd(n, h, K), rnd(n, hv, V), g, beta
+
+
+class ExactStates:
+    """Float64 exact recurrence per (slot, head), fed the same native tokens as the pools."""
+
+    def __init__(self, slots: int, hv: int):
+        self.state = torch.zeros(slots, hv, K, V, dtype=torch.float64, device=DEVICE)
+
+    def load(self, slots: torch.Tensor, states: torch.Tensor) -> None:
+        self.state[slots.long()] = states.double()
+
+    def step(self, slots, q, k, v, g, beta) -> torch.Tensor:
+        g_, kw, b, v_, q_ = (x.double() for x in native_to_general(q, k, v, g, beta))
+        out = torch.zeros(v.shape, dtype=torch.float64, device=DEVICE)
+        real = slots >= 0
+        idx = slots[real].long()
+        decay = g_[real].exp()
+        decay = decay if g.ndim == 3 else decay[..., None].expand(-1, -1, K)
+        one = [x[real][:, :, None] for x in (kw, b, v_, q_)]  # one record: [N', HV, T=1, .]
+        rec = Records(a=decay[:, :, None], k=one[0], b=one[1], v=one[2], q=one[3])
+        o, states = exact_recurrence(rec, self.state[idx], checkpoints=[1])
+        self.state[idx] = states[1]
+        out[real] = o[:, :, 0]
+        return out
+
+
+def rel(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((x.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))
+
+
+CASES = [
+    # family, residual, window, compensators, smoothing, n, key heads, value heads
+    pytest.param("gdn", "int8", 4, 2, True, 5, 2, 4, id="gdn-int8-p4-r2-smooth-grouped"),
+    pytest.param("kda", "int8", 4, 2, True, 3, 4, 4, id="kda-int8-p4-r2-smooth"),
+    pytest.param("gdn", "fp32", 8, 4, True, 3, 1, 2, id="gdn-fp32-p8-r4-smooth"),
+    pytest.param("kda", "fp32", 4, 0, False, 3, 2, 2, id="kda-fp32-p4-r0"),
+    pytest.param("gdn", "int4", 4, 8, True, 3, 2, 2, id="gdn-int4-p4-r8-smooth"),
+    pytest.param("kda", "fp8-e4m3", 4, 4, True, 3, 2, 2, id="kda-fp8-p4-r4-smooth"),
+    pytest.param("gdn", "bf16", 4, 0, False, 3, 2, 2, id="gdn-bf16-p4-r0"),
+    pytest.param("gdn", "int8", 16, 4, True, 3, 1, 2, id="gdn-int8-p16-r4-smooth"),
+    pytest.param("kda", "int8", 8, 0, True, 3, 2, 2, id="kda-int8-p8-r0-smooth"),
+]
+if FULL:
+    CASES += [
+        pytest.param("gdn", "int8", 32, 8, True, 33, 4, 8, id="gdn-int8-p32-r8-full"),
+        pytest.param("kda", "int8", 16, 4, True, 33, 8, 8, id="kda-int8-p16-r4-full"),
+        pytest.param("gdn", "int8", 8, 2, False, 17, 2, 8, id="gdn-int8-p8-r2-full"),
+    ]
+
+
+@pytest.mark.parametrize(("family", "residual", "window", "rank", "smooth", "n", "h", "hv"), CASES)
+def test_kernel_matches_reference_and_tracks_the_exact_state(
+    family, residual, window, rank, smooth, n, h, hv
+):
+    gen = torch.Generator(device=DEVICE).manual_seed(window * 100 + rank)
+    cfg = PoolConfig(heads=hv, d_k=K, d_v=V, window=window, compensators=rank, smoothing=smooth,
+                     residual=residual, records="fp32" if residual == "fp32" else "fp16",
+                     decay="vector" if family == "kda" else "scalar")  # fmt: skip
+    slots_total = 2 * n + 3
+    pools = {b: LeapQuantPool.allocate(cfg, slots_total, DEVICE) for b in ("triton", "reference")}
+    exact = ExactStates(slots_total, hv)
+    perm = torch.randperm(slots_total, generator=torch.Generator().manual_seed(0))[:n].to(DEVICE, torch.int32)
+    slots = perm.clone()
+    slots[1] = -1  # a padded row
+    first, late = slots[: n // 2 + 1], slots[n // 2 + 1 :]
+    s0 = torch.randn(len(first), hv, K, V, generator=gen, device=DEVICE) * 0.3
+    for backend, pool in pools.items():
+        load_states(pool, first, s0, backend=backend)
+    exact.load(first[first >= 0], s0[first >= 0])
+    errs = {b: [] for b in pools}
+    diffs = []
+    steps = 3 * window + window // 2 + 1
+    for t in range(steps):
+        if t == window // 2 + 1:  # the other sequences arrive mid-window: positions are now mixed
+            s_late = torch.randn(len(late), hv, K, V, generator=gen, device=DEVICE) * 0.3
+            for backend, pool in pools.items():
+                load_states(pool, late, s_late, backend=backend)
+            exact.load(late, s_late)
+        active = slots if t > window // 2 else torch.where(torch.isin(slots, first), slots, -1)
+        x = tokens(family, n, h, hv, gen)
+        ref = exact.step(active, *x)
+        outs = {b: leapquant_decode(pool, active, *x, backend=b) for b, pool in pools.items()}
+        for b, o in outs.items():
+            assert torch.isfinite(o).all()
+            assert torch.equal(o[active < 0], torch.zeros_like(o[active < 0]))
+            errs[b].append(rel(o[active >= 0], ref[active >= 0]))
+        diffs.append(rel(outs["triton"][active >= 0], outs["reference"][active >= 0]))
+    assert pools["triton"].pos.tolist() == pools["reference"].pos.tolist()
+    assert len(set(pools["triton"].pos[slots[slots >= 0].long(), 0].tolist())) > 1  # mixed positions
+    real = slots[slots >= 0]
+    dense = {b: materialize_states(p, real, backend=b) for b, p in pools.items()}
+    truth = exact.state[real.long()]
+    if residual == "fp32":  # the algebra alone: both match the exact recurrence to fp32 rounding
+        assert max(errs["triton"]) < 1e-4 and max(errs["reference"]) < 1e-4
+        assert rel(dense["triton"], truth) < 1e-4
+    else:
+        # Kernel and reference round in fp32 in different orders, so an fp16 token or a code can flip at a
+        # rounding boundary and the two trajectories drift apart by about one quantization error.  What must
+        # hold: the kernel is as accurate as the reference, and it stays closer to it than to the exact state.
+        ref_err = sum(errs["reference"]) / steps
+        assert sum(errs["triton"]) / steps < 1.2 * ref_err
+        assert sum(diffs) / steps < 0.5 * ref_err
+        assert rel(dense["triton"], dense["reference"]) < 0.5 * rel(dense["reference"], truth)
+
+
+@pytest.mark.parametrize("residual", ["int8", "int4", "fp8-e4m3", "bf16", "fp32"])
+def test_prefill_handoff_codes_are_bit_exact(residual):
+    """Without tokens or smoothing the kernel's quantization must equal the format's, code for code."""
+    cfg = PoolConfig(heads=2, d_k=K, d_v=V, window=4, compensators=0, smoothing=False, residual=residual)
+    states = torch.randn(3, 2, K, V, device=DEVICE) * torch.rand(3, 2, 1, V, device=DEVICE) * 4
+    slots = torch.tensor([4, 0, 2], dtype=torch.int32, device=DEVICE)
+    pools = {b: LeapQuantPool.allocate(cfg, 5, DEVICE) for b in ("triton", "reference")}
+    for b, pool in pools.items():
+        load_states(pool, slots, states, backend=b)
+    for name, tensor in pools["triton"].tensors.items():
+        expected = pools["reference"].tensors[name]
+        assert torch.equal(tensor.view(torch.uint8), expected.view(torch.uint8)), name
+
+
+def test_prefill_handoff_round_trips():
+    cfg = PoolConfig(heads=2, d_k=K, d_v=V, window=4, compensators=4, smoothing=True, residual="int8")
+    gen = torch.Generator(device=DEVICE).manual_seed(3)
+    left = torch.randn(2, 2, K, 3, generator=gen, device=DEVICE)
+    low_rank = left @ torch.randn(2, 2, 3, V, generator=gen, device=DEVICE)
+    states = low_rank + 0.01 * torch.randn(2, 2, K, V, generator=gen, device=DEVICE)
+    slots = torch.tensor([1, 0], dtype=torch.int32, device=DEVICE)
+    pool = LeapQuantPool.allocate(cfg, 2, DEVICE)
+    load_states(pool, slots, states, backend="triton")
+    back = materialize_states(pool, slots, backend="triton")
+    assert rel(back, states) < 2e-3  # rank 3 goes to the fp16 tokens; only the small residual is int8
+    vk = materialize_states(pool, slots, layout="vk", backend="triton")
+    assert torch.equal(vk, back.transpose(-1, -2))
+
+
+def test_slots_not_in_the_batch_are_never_touched():
+    cfg = PoolConfig(heads=2, d_k=K, d_v=V, window=2, compensators=2, smoothing=True, residual="int8")
+    pool = LeapQuantPool.allocate(cfg, 6, DEVICE)
+    gen = torch.Generator(device=DEVICE).manual_seed(5)
+    for t in pool.tensors.values():  # sentinel everywhere: random bytes (NaN/inf patterns included)
+        t.view(torch.uint8).copy_(
+            torch.randint(0, 256, t.view(torch.uint8).shape, generator=gen, device=DEVICE)
+        )
+    active = torch.tensor([4, -1, 1], dtype=torch.int32, device=DEVICE)
+    pool.reset(active[active >= 0])
+    before = {n: t.clone() for n, t in pool.tensors.items()}
+    for _ in range(3):  # window 2: every active slot closes a window too
+        out = leapquant_decode(pool, active, *tokens("gdn", 3, 2, 2, gen), backend="triton")
+        assert torch.isfinite(out).all()
+    untouched = torch.tensor([0, 2, 3, 5], device=DEVICE)
+    for name, t in pool.tensors.items():
+        assert torch.equal(t[untouched].view(torch.uint8), before[name][untouched].view(torch.uint8)), name
+    assert not torch.equal(pool.payload[4], before["payload"][4])
+
+
+def test_general_records_match_windowed_state():
+    """``leapquant_step_records`` (what ``simulate --backend triton`` runs) against the simulator's method."""
+    gen = torch.Generator(device=DEVICE).manual_seed(7)
+    cfg = PoolConfig(heads=3, d_k=K, d_v=V, window=4, compensators=2, smoothing=True, residual="fp32",
+                     records="fp32", decay="vector")  # fmt: skip
+    pool = LeapQuantPool.allocate(cfg, 1, DEVICE)
+    ref = WindowedState(cfg.method(), 3, K, V, dtype=torch.float64, device=DEVICE)
+    slots = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    worst = 0.0
+    for _ in range(10):
+        key = torch.nn.functional.normalize(torch.randn(3, K, generator=gen, device=DEVICE), dim=-1)
+        a = 1 - 0.05 * torch.rand(3, K, generator=gen, device=DEVICE)
+        kw, b = 0.5 * key, a * key
+        v = torch.randn(3, V, generator=gen, device=DEVICE)
+        q = torch.randn(3, K, generator=gen, device=DEVICE) / K**0.5
+        out = leapquant_step_records(
+            pool, slots, a.log()[None], kw[None], b[None], v[None], q[None], backend="triton"
+        )
+        expected = ref.step(*(x.double() for x in (a, kw, b, v, q)))
+        worst = max(worst, rel(out[0], expected))
+    assert worst < 1e-4
+    assert rel(materialize_states(pool, slots, backend="triton")[0], ref.materialize()) < 1e-4
+
+
+@pytest.mark.parametrize(
+    ("slots", "message"),
+    [
+        (torch.tensor([0, 0], dtype=torch.int32), "appears twice"),
+        (torch.tensor([0, 7], dtype=torch.int32), "must be in"),
+        (torch.tensor([[0]], dtype=torch.int32), "1-D"),
+        (torch.tensor([0.0]), "1-D int32/int64"),
+    ],
+    ids=["duplicate", "out-of-range", "2d", "float"],
+)
+def test_bad_slots_are_rejected(slots, message):
+    pool = LeapQuantPool.allocate(PoolConfig(heads=2, d_k=K, d_v=V, window=4), 3, DEVICE)
+    n = slots.shape[0]
+    with pytest.raises(LeapQuantError, match=message):
+        leapquant_decode(pool, slots.to(DEVICE), *tokens("gdn", n, 2, 2, torch.Generator(device=DEVICE)))
+
+
+def test_bad_token_shapes_are_rejected():
+    pool = LeapQuantPool.allocate(PoolConfig(heads=2, d_k=K, d_v=V, window=4, decay="vector"), 3, DEVICE)
+    slots = torch.tensor([0], dtype=torch.int32, device=DEVICE)
+    q, k, v, g, beta = tokens("gdn", 1, 2, 2, torch.Generator(device=DEVICE))
+    with pytest.raises(LeapQuantError, match="g has shape"):
+        leapquant_decode(pool, slots, q, k, v, g, beta)  # a scalar decay on a KDA pool
+    with pytest.raises(LeapQuantError, match="v has shape"):
+        leapquant_decode(pool, slots, q, k, v[:, :, :-1], g[..., None].expand(-1, -1, K), beta)
+    with pytest.raises(LeapQuantError, match="states has a NaN"):
+        load_states(pool, slots, torch.full((1, 2, K, V), float("nan"), device=DEVICE))
+
+
+def test_pool_sizes_match_the_paper():
+    cfg = PoolConfig.from_method("leapquant-int8", heads=32)
+    assert cfg.boundary_bytes_per_head() == 16384 + 512 + 512 + 2048  # 1.19 B/element
+    assert (
+        PoolConfig.from_method("int4/w16+ct8+smooth", heads=1).boundary_bytes_per_head()
+        == 8192 + 512 + 512 + 4096
+    )
+    with pytest.raises(LeapQuantError, match="no kernel"):
+        PoolConfig.from_method("mxfp4/w16", heads=1)
