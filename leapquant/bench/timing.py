@@ -48,30 +48,35 @@ def time_steps(
 ) -> dict[str, float]:
     """Median milliseconds per call of ``step(i)`` with ``i`` cycling over ``rotations``.
 
-    Returns ``{"ms": median, "ms_min": ..., "ms_max": ...}`` per step.  Each step is first run eagerly (so
-    Triton compiles and allocations settle), then ``graph_steps`` steps are captured in one CUDA graph.
+    Returns ``{"ms": median, "ms_min": ..., "ms_max": ..., "graph": bool}`` per step.  Each step is first run
+    eagerly (so Triton compiles and allocations settle), then ``graph_steps`` steps are captured in one CUDA
+    graph; if capture fails (a library that synchronizes inside), the steps are timed eagerly instead.
     """
     per_graph = max(rotations, graph_steps - graph_steps % rotations)
     for i in range(rotations):
         step(i)
     torch.cuda.synchronize()
+    graph = None
     if use_graph:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for i in range(rotations):
-                step(i)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for i in range(per_graph):
-                step(i % rotations)
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for i in range(rotations):
+                    step(i)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for i in range(per_graph):
+                    step(i % rotations)
+        except RuntimeError:
+            graph = None
+            torch.cuda.synchronize()
 
-        def run() -> None:
+    def run() -> None:
+        if graph is not None:
             graph.replay()
-    else:
-
-        def run() -> None:
+        else:
             for i in range(per_graph):
                 step(i % rotations)
 
@@ -79,4 +84,9 @@ def time_steps(
         run()
     torch.cuda.synchronize()
     times = [t / per_graph for t in _events_ms(run, repeats)]
-    return {"ms": statistics.median(times), "ms_min": min(times), "ms_max": max(times)}
+    return {
+        "ms": statistics.median(times),
+        "ms_min": min(times),
+        "ms_max": max(times),
+        "graph": graph is not None,
+    }

@@ -53,6 +53,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     k.add_argument("--step-bv", type=int, default=None, help="launch: value rows per step program")
     k.add_argument("--step-warps", type=int, default=None, help="launch: warps per step program")
     k.add_argument("--boundary-warps", type=int, default=None, help="launch: warps per boundary program")
+    k.add_argument(
+        "--tune",
+        action="store_true",
+        help="before the variants, time a small grid of launch shapes per family (step-only and full "
+        "leapquant-int8 at the first N) and use the fastest; the kernels are never autotuned in place",
+    )
     k.add_argument("--no-graph", action="store_true", help="time eager launches instead of CUDA graphs")
     k.add_argument("--json", metavar="OUT", help="write all rows and provenance as JSON")
     k.add_argument("--markdown", metavar="OUT.md", help="write the table as Markdown")
@@ -95,44 +101,62 @@ def run_kernel(args: argparse.Namespace) -> int:
     copy_gbps = copy_bandwidth()
     con = console()
     con.print(f"measured device-to-device copy bandwidth: {copy_gbps:.0f} GB/s (read + write)")
-    rows = []
+    report = {
+        "rows": [],
+        "tuning": [],
+        "copy_gbps": copy_gbps,
+        "launch": {},
+        "provenance": provenance(cuda=True),
+    }
+
+    def save() -> None:  # after every row, so a run cut short still leaves its numbers
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+
+    def measure(variant: str, case, shape) -> dict:
+        try:
+            row = bench_variant(variant, case, launch=shape, use_graph=not args.no_graph)
+        except Exception as exc:  # a failing variant must not hide the others' numbers
+            row = {
+                "variant": variant,
+                "family": case.family,
+                "n": case.n,
+                "error": f"{type(exc).__name__}: {exc}",
+            }
+            con.print(f"[red]{case.family} n={case.n} {variant}: {row['error']}[/red]")
+            return row
+        row["copy_fraction"] = row["gbps"] / copy_gbps
+        row["launch"] = shape.__dict__
+        return row
+
     for family in families:
+        key_heads = args.gdn_key_heads if family == "gdn" else args.heads
+        shape = launch
+        if args.tune:
+            case = KernelCase(family=family, n=sizes[0], heads=args.heads, key_heads=key_heads)
+            shape = _tune(case, launch, measure, report, con)
+            save()
+        report["launch"][family] = shape.__dict__
         for n in sizes:
-            key_heads = args.gdn_key_heads if family == "gdn" else args.heads
             case = KernelCase(family=family, n=n, heads=args.heads, key_heads=key_heads)
             base = None
             for variant in variants:
-                try:
-                    row = bench_variant(variant, case, launch=launch, use_graph=not args.no_graph)
-                except Exception as exc:  # a failing variant must not hide the others' numbers
-                    row = {
-                        "variant": variant,
-                        "family": family,
-                        "n": n,
-                        "error": f"{type(exc).__name__}: {exc}",
-                    }
-                    con.print(f"[red]{family} n={n} {variant}: {row['error']}[/red]")
-                    rows.append(row)
+                row = measure(variant, case, shape)
+                report["rows"].append(row)
+                if "error" in row:
+                    save()
                     continue
-                row["copy_fraction"] = row["gbps"] / copy_gbps
                 if variant == "fla-fp32":
                     base = row["ms"]
                 row["speedup_vs_fla_fp32"] = base / row["ms"] if base else None
-                rows.append(row)
+                save()
                 con.print(
                     f"{family} n={n:5d} {variant:28s} {row['ms'] * 1e3:9.1f} us  {row['gbps']:7.0f} GB/s  "
                     f"{100 * row['copy_fraction']:5.1f}% of copy"
                     + (f"  {row['speedup_vs_fla_fp32']:.2f}x FLA fp32" if row["speedup_vs_fla_fp32"] else "")
                 )
-    report = {
-        "rows": rows,
-        "copy_gbps": copy_gbps,
-        "launch": launch.__dict__,
-        "provenance": provenance(cuda=True),
-    }
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {args.json}")
     if args.markdown:
         from ..bench.report import kernel_markdown
@@ -144,3 +168,35 @@ def run_kernel(args: argparse.Namespace) -> int:
 
         print(f"wrote {plot_kernel(report, args.plot)}")
     return 0
+
+
+# Launch shapes tried by --tune: (value rows per step program, warps) and warps of the boundary program.
+STEP_SHAPES = ((128, 8), (64, 4), (32, 4))
+BOUNDARY_WARPS = (8, 16)
+
+
+def _tune(case, launch, measure, report, con):
+    """Pick the fastest step shape on ``leapquant-int8:step``, then boundary warps on ``leapquant-int8``."""
+    from ..ops.leapquant_decode import LaunchConfig
+
+    best, best_ms = launch, float("inf")
+    for bv, warps in STEP_SHAPES:
+        shape = LaunchConfig(step_bv=bv, step_warps=warps, boundary_warps=launch.boundary_warps)
+        row = measure("leapquant-int8:step", case, shape)
+        report["tuning"].append(row)
+        if "error" not in row and row["ms"] < best_ms:
+            best, best_ms = shape, row["ms"]
+        con.print(
+            f"tune {case.family} step bv={bv} warps={warps}: {row.get('ms', float('nan')) * 1e3:.1f} us"
+        )
+    best_ms = float("inf")
+    chosen = best
+    for warps in BOUNDARY_WARPS:
+        shape = LaunchConfig(step_bv=best.step_bv, step_warps=best.step_warps, boundary_warps=warps)
+        row = measure("leapquant-int8", case, shape)
+        report["tuning"].append(row)
+        if "error" not in row and row["ms"] < best_ms:
+            chosen, best_ms = shape, row["ms"]
+        con.print(f"tune {case.family} boundary warps={warps}: {row.get('ms', float('nan')) * 1e3:.1f} us")
+    con.print(f"tune {case.family}: chose {chosen}")
+    return chosen

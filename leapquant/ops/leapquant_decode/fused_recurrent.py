@@ -289,13 +289,17 @@ def _start_vectors(o_r, o_v):
 
 @triton.jit
 def _orthonormalize_rows(b_z, o_r, R: tl.constexpr):
-    """Gram-Schmidt on the first ``R`` rows of ``[BR, K]`` (classical, twice: as stable as modified)."""
+    """Gram-Schmidt on the first ``R`` rows of ``[BR, K]`` (classical, twice: as stable as modified).
+
+    Runtime loops rather than unrolled ones: the boundary work is rare and compile time is not.
+    """
     b_q = tl.zeros_like(b_z)
-    for h in tl.static_range(R):
+    for h in range(R):
         b_row = tl.sum(tl.where(o_r[:, None] == h, b_z, 0.0), 0)
-        for _ in tl.static_range(2):
-            b_coef = tl.sum(b_q * b_row[None, :], 1)
-            b_row = b_row - tl.sum(b_coef[:, None] * b_q, 0)
+        b_coef = tl.sum(b_q * b_row[None, :], 1)
+        b_row = b_row - tl.sum(b_coef[:, None] * b_q, 0)
+        b_coef = tl.sum(b_q * b_row[None, :], 1)
+        b_row = b_row - tl.sum(b_coef[:, None] * b_q, 0)
         b_norm = tl.sqrt(tl.sum(b_row * b_row))
         b_row = tl.where(b_norm > 1e-30, b_row / tl.maximum(b_norm, 1e-30), 0.0)
         b_q = tl.where(o_r[:, None] == h, b_row[None, :], b_q)
@@ -417,7 +421,8 @@ def boundary_kernel(
         else:
             b_basis = b_start
         b_basis = tl.where(mask_r[:, None], b_basis, 0.0)
-        for _ in tl.static_range(ITERS):
+        b_qk = tl.zeros([BR, K], dtype=tl.float32)
+        for _ in range(ITERS):
             b_z = tl.dot(b_basis, b_s, input_precision="ieee")  # [BR, K] = (S_kv @ basis)^T
             b_qk = _orthonormalize_rows(b_z, o_r, R)
             b_basis = tl.dot(b_qk, tl.trans(b_s), input_precision="ieee")  # [BR, V] = (S_kv^T @ Q)^T
