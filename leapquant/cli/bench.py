@@ -11,7 +11,6 @@ from ..errors import LeapQuantError
 # Variants that make the paper's Table 2 kernel column, plus our other formats and a step-only breakdown.
 MAIN = (
     "fla-fp32",
-    "perstep-fp32",
     "perstep-bf16",
     "bf16/w16",
     "perstep-int8",
@@ -50,14 +49,23 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     k.add_argument("--gdn-key-heads", type=int, default=16, help="GDN query/key heads (Qwen3.5/Next: 16)")
     k.add_argument("--preset", choices=sorted(PRESETS), default="main")
     k.add_argument("--variant", "-v", action="append", help="variants instead of the preset (repeatable)")
-    k.add_argument("--step-bv", type=int, default=None, help="launch: value rows per step program")
+    k.add_argument("--step-bv", type=int, default=None, help="launch: value rows per step chunk")
     k.add_argument("--step-warps", type=int, default=None, help="launch: warps per step program")
-    k.add_argument("--boundary-warps", type=int, default=None, help="launch: warps per boundary program")
+    k.add_argument("--close-bv", type=int, default=None, help="launch: value rows per close chunk")
+    k.add_argument("--close-warps", type=int, default=None, help="launch: warps per close program")
+    k.add_argument("--close-programs", type=int, default=None, help="launch: close programs per SM")
     k.add_argument(
         "--tune",
         action="store_true",
         help="before the variants, time a small grid of launch shapes per family (step-only and full "
         "leapquant-int8 at the first N) and use the fastest; the kernels are never autotuned in place",
+    )
+    k.add_argument(
+        "--sweep-at",
+        type=int,
+        default=None,
+        metavar="N",
+        help="after the variants, run the window/rank sweep (paper Table 3) at batch N",
     )
     k.add_argument("--no-graph", action="store_true", help="time eager launches instead of CUDA graphs")
     k.add_argument("--json", metavar="OUT", help="write all rows and provenance as JSON")
@@ -96,7 +104,9 @@ def run_kernel(args: argparse.Namespace) -> int:
     launch = LaunchConfig(
         step_bv=args.step_bv or defaults.step_bv,
         step_warps=args.step_warps or defaults.step_warps,
-        boundary_warps=args.boundary_warps or defaults.boundary_warps,
+        close_bv=args.close_bv or defaults.close_bv,
+        close_warps=args.close_warps or defaults.close_warps,
+        close_programs_per_sm=args.close_programs or defaults.close_programs_per_sm,
     )
     copy_gbps = copy_bandwidth()
     con = console()
@@ -138,11 +148,15 @@ def run_kernel(args: argparse.Namespace) -> int:
             shape = _tune(case, launch, measure, report, con)
             save()
         report["launch"][family] = shape.__dict__
-        for n in sizes:
+        runs = [(n, variants, "main") for n in sizes]
+        if args.sweep_at:
+            runs.append((args.sweep_at, SWEEP, "sweep"))
+        for n, names, table in runs:
             case = KernelCase(family=family, n=n, heads=args.heads, key_heads=key_heads)
             base = None
-            for variant in variants:
+            for variant in names:
                 row = measure(variant, case, shape)
+                row["table"] = table
                 report["rows"].append(row)
                 if "error" in row:
                     save()
@@ -170,18 +184,26 @@ def run_kernel(args: argparse.Namespace) -> int:
     return 0
 
 
-# Launch shapes tried by --tune: (value rows per step program, warps) and warps of the boundary program.
-STEP_SHAPES = ((128, 8), (64, 4), (32, 4))
-BOUNDARY_WARPS = (8, 16)
+# Launch shapes tried by --tune: (value rows per chunk, warps, pipeline stages, fast int8 conversion) of
+# the step kernel, then (value rows per chunk, warps, programs per SM, product precision) of the close path.
+STEP_SHAPES = (
+    (32, 4, 1, True),
+    (32, 4, 2, True),
+    (32, 4, 2, False),
+    (16, 2, 2, True),
+    (64, 8, 2, True),
+    (32, 8, 2, True),
+)
+CLOSE_SHAPES = ((32, 8, 1, "ieee"), (32, 8, 1, "tf32x3"), (32, 8, 2, "ieee"))
 
 
 def _tune(case, launch, measure, report, con):
-    """Pick the fastest step shape on ``leapquant-int8:step``, then boundary warps on ``leapquant-int8``."""
-    from ..ops.leapquant_decode import LaunchConfig
+    """Pick the fastest step shape on ``leapquant-int8:step``, then the close shape on ``leapquant-int8``."""
+    from dataclasses import replace
 
     best, best_ms = launch, float("inf")
     for bv, warps in STEP_SHAPES:
-        shape = LaunchConfig(step_bv=bv, step_warps=warps, boundary_warps=launch.boundary_warps)
+        shape = replace(launch, step_bv=bv, step_warps=warps)
         row = measure("leapquant-int8:step", case, shape)
         report["tuning"].append(row)
         if "error" not in row and row["ms"] < best_ms:
@@ -189,14 +211,14 @@ def _tune(case, launch, measure, report, con):
         con.print(
             f"tune {case.family} step bv={bv} warps={warps}: {row.get('ms', float('nan')) * 1e3:.1f} us"
         )
-    best_ms = float("inf")
-    chosen = best
-    for warps in BOUNDARY_WARPS:
-        shape = LaunchConfig(step_bv=best.step_bv, step_warps=best.step_warps, boundary_warps=warps)
+    chosen, best_ms = best, float("inf")
+    for bv, warps, programs in CLOSE_SHAPES:
+        shape = replace(best, close_bv=bv, close_warps=warps, close_programs_per_sm=programs)
         row = measure("leapquant-int8", case, shape)
         report["tuning"].append(row)
         if "error" not in row and row["ms"] < best_ms:
             chosen, best_ms = shape, row["ms"]
-        con.print(f"tune {case.family} boundary warps={warps}: {row.get('ms', float('nan')) * 1e3:.1f} us")
+        ms = row.get("ms", float("nan")) * 1e3
+        con.print(f"tune {case.family} close bv={bv} warps={warps} programs/SM={programs}: {ms:.1f} us")
     con.print(f"tune {case.family}: chose {chosen}")
     return chosen

@@ -207,6 +207,26 @@ class LeapQuantPool:
     def slots(self) -> int:
         return self.tensors["pos"].shape[0]
 
+    def close_list(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Kernel workspace: ``[slots * HV]`` int32 list of the heads that close a window, and its count."""
+        if "_close_list" not in self.__dict__:
+            self.__dict__["_close_list"] = (
+                torch.zeros(self.slots * self.config.heads, dtype=torch.int32, device=self.device),
+                torch.zeros(1, dtype=torch.int32, device=self.device),
+            )
+        return self.__dict__["_close_list"]
+
+    def workspace(self, programs: int, rank_block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Close-kernel scratch: fp32 ``[programs, V, K]`` and ``[programs, rank_block, V]``."""
+        key = ("_workspace", programs, rank_block)
+        if key not in self.__dict__:
+            cfg = self.config
+            self.__dict__[key] = (
+                torch.empty(programs, cfg.d_v, cfg.d_k, dtype=torch.float32, device=self.device),
+                torch.empty(programs, rank_block, cfg.d_v, dtype=torch.float32, device=self.device),
+            )
+        return self.__dict__[key]
+
     @property
     def device(self) -> torch.device:
         return self.tensors["pos"].device

@@ -29,23 +29,40 @@ BACKENDS = ("auto", "triton", "reference")
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """Launch shape of the two kernels (hand-tuned, never autotuned: the kernels update the pool in place).
+    """Launch shape of the kernels (hand-tuned, never autotuned: the kernels update the pool in place).
 
     Attributes:
-        step_bv: value rows per program of the step kernel (a divisor of ``V``).
+        step_bv: value rows per chunk of the step kernel (one program per head walks ``V / step_bv`` chunks).
         step_warps: warps per step program.
-        boundary_warps: warps per boundary program (one whole head each).
+        close_bv: value rows per chunk of the window-close path.
+        close_warps: warps per close program.
+        close_programs_per_sm: persistent close programs per multiprocessor (each owns a 64 KB scratch tile).
+        step_stages: software-pipelining depth of the step kernel's loop over value chunks.
+        fast_cvt: int8 -> fp32 through exponent bits (integer add + fp add) instead of the conversion unit.
+        dot: precision of the window-close matrix products: ``"ieee"`` (fp32 FMAs) or ``"tf32x3"``
+            (three tf32 tensor-core products, fp32-level accuracy).
     """
 
-    step_bv: int = 128
-    step_warps: int = 8
-    boundary_warps: int = 8
+    step_bv: int = 32
+    step_warps: int = 4
+    close_bv: int = 32
+    close_warps: int = 8
+    close_programs_per_sm: int = 1
+    step_stages: int = 2
+    fast_cvt: bool = True
+    dot: str = "ieee"
 
     def __post_init__(self) -> None:
-        for name in ("step_bv", "step_warps", "boundary_warps"):
+        for name in ("step_bv", "step_warps", "close_bv", "close_warps"):
             x = getattr(self, name)
             if x < 1 or x & (x - 1):
                 raise LeapQuantError(f"launch: {name} must be a power of two, got {x}")
+        if self.close_bv < 16:
+            raise LeapQuantError(f"launch: close_bv must be >= 16 (a tl.dot operand), got {self.close_bv}")
+        if self.close_programs_per_sm < 1:
+            raise LeapQuantError(
+                f"launch: close_programs_per_sm must be >= 1, got {self.close_programs_per_sm}"
+            )
 
 
 def _use_triton(pool: LeapQuantPool, backend: str) -> bool:
@@ -76,7 +93,23 @@ def _check_decay(pool: LeapQuantPool, g: torch.Tensor, n: int) -> None:
 
 
 def _launch_step(
-    pool, slots, q, k, v, g, beta, b_read, a_log, dt_bias, qk_scale, native, l2norm, sigmoid, pre, launch
+    pool,
+    slots,
+    q,
+    k,
+    v,
+    g,
+    beta,
+    b_read,
+    a_log,
+    dt_bias,
+    qk_scale,
+    native,
+    l2norm,
+    sigmoid,
+    pre,
+    launch,
+    advance,
 ):
     from .fused_recurrent import RESIDUAL_CODES, step_kernel
 
@@ -85,20 +118,20 @@ def _launch_step(
     out = torch.empty(n, cfg.heads, cfg.d_v, dtype=v.dtype, device=pool.device)
     t = pool.tensors
     dummy = t["pos"]
-    bv = min(cfg.d_v, launch.step_bv)
-    step_kernel[(n * cfg.heads, triton_cdiv(cfg.d_v, bv))](
+    list_, count = pool.close_list()
+    step_kernel[(n * cfg.heads,)](
         q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(),
         beta.contiguous() if beta is not None else dummy,
         b_read.contiguous() if b_read is not None else dummy,
         a_log, dt_bias, out, slots,
         t["payload"], t.get("scale", dummy), t.get("smooth", dummy), t.get("comp_k", dummy),
-        t.get("comp_u", dummy), t["rec_g"], t["rec_k"], t["rec_u"], t["pos"],
+        t.get("comp_u", dummy), t["rec_g"], t["rec_k"], t["rec_u"], t["pos"], list_, count,
         qk_scale,
         H=q.shape[1] if native else cfg.heads, HV=cfg.heads, K=cfg.d_k, V=cfg.d_v, P=cfg.window,
-        R=cfg.compensators, BV=bv, BP=_pow2(cfg.window), BR=_pow2(cfg.compensators),
+        R=cfg.compensators, BV=min(cfg.d_v, launch.step_bv), BP=_pow2(cfg.window), BR=_pow2(cfg.compensators),
         NATIVE=native, USE_QK_L2NORM=l2norm, BETA_SIGMOID=sigmoid,
-        RESIDUAL=RESIDUAL_CODES[cfg.residual][0], SMOOTH=cfg.smoothing, READ_PRE=pre,
-        num_warps=launch.step_warps,
+        RESIDUAL=RESIDUAL_CODES[cfg.residual][0], SMOOTH=cfg.smoothing, READ_PRE=pre, ADVANCE=advance,
+        STAGES=launch.step_stages, FAST_CVT=launch.fast_cvt, num_warps=launch.step_warps,
     )  # fmt: skip
     return out
 
@@ -107,23 +140,59 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _launch_boundary(
-    pool: LeapQuantPool, slots: torch.Tensor, dense: torch.Tensor, mode: int, kv: bool, launch: LaunchConfig
-):
+def _close_grid(pool: LeapQuantPool, n: int, launch: LaunchConfig) -> int:
+    """Persistent close programs: a few per SM, never more than the heads that could close this step."""
+    if pool.device.type == "cuda":
+        sms = torch.cuda.get_device_properties(pool.device).multi_processor_count
+    else:
+        sms = 1
+    return max(1, min(n * pool.config.heads, sms * launch.close_programs_per_sm))
+
+
+def _launch_close(pool: LeapQuantPool, n: int, launch: LaunchConfig) -> None:
+    from ...methods.smoothing import SMOOTHING_FLOOR
+    from .fused_recurrent import RESIDUAL_CODES, close_kernel
+
+    cfg = pool.config
+    t = pool.tensors
+    dummy = t["pos"]
+    code, qmax = RESIDUAL_CODES[cfg.residual]
+    grid = _close_grid(pool, n, launch)
+    br = _pow2(cfg.compensators, 16)
+    work, uwork = pool.workspace(grid, br)
+    list_, count = pool.close_list()
+    close_kernel[(grid,)](
+        list_, count, work, uwork, t["payload"], t.get("scale", dummy), t.get("smooth", dummy),
+        t.get("comp_k", dummy), t.get("comp_u", dummy), t["rec_g"], t["rec_k"], t["rec_u"], t["pos"],
+        SMOOTHING_FLOOR,
+        K=cfg.d_k, V=cfg.d_v, P=cfg.window, R=cfg.compensators, BV=min(cfg.d_v, launch.close_bv),
+        BP=_pow2(cfg.window, 16), BR=br, ITERS=cfg.power_iters, RESIDUAL=code, QMAX=qmax,
+        SMOOTH=cfg.smoothing, VECTOR_DECAY=cfg.decay == "vector", DOT=launch.dot,
+        num_warps=launch.close_warps,
+    )  # fmt: skip
+
+
+def _launch_boundary(pool: LeapQuantPool, slots: torch.Tensor, dense: torch.Tensor, mode: int, kv: bool):
     from ...methods.smoothing import SMOOTHING_FLOOR
     from .fused_recurrent import RESIDUAL_CODES, boundary_kernel
 
     cfg = pool.config
     t = pool.tensors
     dummy = t["pos"]
+    launch = LaunchConfig()
     code, qmax = RESIDUAL_CODES[cfg.residual]
-    boundary_kernel[(slots.shape[0] * cfg.heads,)](
-        slots, dense, t["payload"], t.get("scale", dummy), t.get("smooth", dummy), t.get("comp_k", dummy),
-        t.get("comp_u", dummy), t["rec_g"], t["rec_k"], t["rec_u"], t["pos"], SMOOTHING_FLOOR,
+    br = _pow2(cfg.compensators, 16)
+    programs = slots.shape[0] * cfg.heads
+    work = torch.empty(programs, cfg.d_v, cfg.d_k, dtype=torch.float32, device=pool.device)
+    uwork = torch.empty(programs, br, cfg.d_v, dtype=torch.float32, device=pool.device)
+    boundary_kernel[(programs,)](
+        slots, dense, work, uwork, t["payload"], t.get("scale", dummy), t.get("smooth", dummy),
+        t.get("comp_k", dummy), t.get("comp_u", dummy), t["rec_g"], t["rec_k"], t["rec_u"], t["pos"],
+        SMOOTHING_FLOOR,
         HV=cfg.heads, K=cfg.d_k, V=cfg.d_v, P=cfg.window, R=cfg.compensators,
-        BP=_pow2(cfg.window, 16), BR=_pow2(cfg.compensators, 16), MODE=mode, DENSE_KV=kv,
-        ITERS=cfg.cold_iters if mode == 1 else cfg.power_iters, RESIDUAL=code, QMAX=qmax,
-        SMOOTH=cfg.smoothing, VECTOR_DECAY=cfg.decay == "vector", num_warps=launch.boundary_warps,
+        BV=min(cfg.d_v, launch.close_bv), BP=_pow2(cfg.window, 16), BR=br, MODE=mode, DENSE_KV=kv,
+        ITERS=cfg.cold_iters, RESIDUAL=code, QMAX=qmax, SMOOTH=cfg.smoothing,
+        VECTOR_DECAY=cfg.decay == "vector", DOT=launch.dot, num_warps=launch.close_warps,
     )  # fmt: skip
 
 
@@ -155,6 +224,7 @@ def leapquant_decode(
     Updates ``pool`` in place (only ``slots``) and returns ``o [N, HV, V]`` in ``v``'s dtype (the kernels
     compute in fp32).  ``validate=False`` skips the checks that synchronize with the GPU (for CUDA graphs);
     ``boundary=False`` runs only the step kernel (benchmark breakdowns: positions then never advance).
+    ``launch`` sets the launch shapes (:class:`LaunchConfig`).
     """
     cfg = pool.config
     n = slots.shape[0]
@@ -174,12 +244,13 @@ def leapquant_decode(
     qk_scale = cfg.d_k**-0.5 if scale is None else float(scale)
     if _use_triton(pool, backend):
         launch = launch or LaunchConfig()
+        pool.close_list()[1].zero_()
         out = _launch_step(
             pool, slots, q, k, v, g, beta, None, A_log, dt_bias, qk_scale,
-            True, use_qk_l2norm, beta_sigmoid, False, launch,
+            True, use_qk_l2norm, beta_sigmoid, False, launch, boundary,
         )  # fmt: skip
         if boundary:
-            _launch_boundary(pool, slots, pool.tensors["pos"], 0, True, launch)
+            _launch_close(pool, slots.shape[0], launch)
         return out
     if A_log is not None:
         g = naive.activate_gate(g, A_log, dt_bias)
@@ -217,10 +288,27 @@ def leapquant_step_records(
         raise LeapQuantError(f"readout must be 'post' or 'pre', got {readout!r}")
     if _use_triton(pool, backend):
         launch = LaunchConfig()
+        pool.close_list()[1].zero_()
         out = _launch_step(
-            pool, slots, q, kw, v, g, None, b, None, None, 1.0, False, False, False, readout == "pre", launch
+            pool,
+            slots,
+            q,
+            kw,
+            v,
+            g,
+            None,
+            b,
+            None,
+            None,
+            1.0,
+            False,
+            False,
+            False,
+            readout == "pre",
+            launch,
+            True,
         )
-        _launch_boundary(pool, slots, pool.tensors["pos"], 0, True, launch)
+        _launch_close(pool, slots.shape[0], launch)
         return out
     out = naive.step_ref(pool, slots, g.float(), kw.float(), b.float(), v.float(), q.float(), readout=readout)
     naive.close_ref(pool, slots)
@@ -250,7 +338,7 @@ def load_states(
     if not torch.isfinite(states).all():
         raise LeapQuantError("states has a NaN or Inf")
     if _use_triton(pool, backend):
-        _launch_boundary(pool, slots, states.float().contiguous(), 1, layout == "kv", LaunchConfig())
+        _launch_boundary(pool, slots, states.float().contiguous(), 1, layout == "kv")
     else:
         naive.load_ref(pool, slots, states.float(), layout=layout)
 
@@ -266,6 +354,6 @@ def materialize_states(
     if _use_triton(pool, backend):
         dims = (cfg.d_k, cfg.d_v) if layout == "kv" else (cfg.d_v, cfg.d_k)
         out = torch.empty(slots.shape[0], cfg.heads, *dims, dtype=torch.float32, device=pool.device)
-        _launch_boundary(pool, slots, out, 2, layout == "kv", LaunchConfig())
+        _launch_boundary(pool, slots, out, 2, layout == "kv")
         return out
     return naive.materialize_ref(pool, slots, layout=layout)

@@ -1,23 +1,24 @@
 """Triton kernels of the LeapQuant decode step (GDN and KDA) on a :class:`~leapquant.ops.pool.LeapQuantPool`.
 
-One decode step is two launches:
+One decode step is two launches (plus a 4-byte memset):
 
-1. ``_step_kernel`` (grid ``N*HV`` x ``V/BV``): each program owns a tile of value rows of one head.  It
-   reads the fixed boundary state (quantized residual, smoothing scales, compensator tokens) once for two
-   read vectors at the same time (the delta read and the output read, paper eq. 10), adds the buffered
-   records, writes the output and appends the new record ``(G_i, k_i, u_i)``.
-2. ``_boundary_kernel`` (grid ``N*HV``, ``MODE=CLOSE``): each program owns a whole head.  It advances the
-   window position, and for heads that just completed a window it reconstructs the fp32 state from the
-   boundary and the ``P`` records, refits the compensator tokens by power iteration (warm-started from the
-   previous tokens), recomputes smoothing and scales, and writes the new quantized boundary.  Sequences at
-   other positions leave after two 4-byte accesses, so the boundary cost is spread over the steps and over
-   the batch instead of stalling it.
+1. ``step_kernel`` (grid ``N*HV``, one program per head): computes the token's read vectors once, the
+   compensator and record weights once (``[R, K]`` and ``[P, K]`` tiles), then walks the value rows in
+   chunks of ``BV``: each chunk of the fixed boundary residual is read once for both the delta read and the
+   output read (paper eq. 10).  It writes the output and the new record ``(g_i, k_i, u_i)``, advances the
+   window position, and appends heads that complete a window to a list.
+2. ``close_kernel`` (a persistent grid of a few programs per SM): walks that list.  For each head it
+   reconstructs the fp32 state from the boundary and the ``P`` records into a per-program scratch tile,
+   refits the compensator tokens by power iteration warm-started from the previous ones, recomputes the
+   smoothing and per-value-channel scales, and writes the new quantized boundary.  Only heads that close a
+   window cost anything, and the work is spread over the whole GPU.
 
-The same ``_boundary_kernel`` quantizes full-precision states into slots (``MODE=LOAD``: prefill hand-off,
-cold-started fit) and reconstructs dense states from slots (``MODE=MATERIALIZE``).
+``boundary_kernel`` runs the same close path for every head it is given: prefill hand-off (``MODE=LOAD``,
+cold-started fit from dense states) and materialization (``MODE=MATERIALIZE``).
 
-Neither kernel is autotuned: they update the pool in place, and an autotuner would replay them on the
-same pool while timing configurations (mamba_ssm's ``selective_state_update`` makes the same choice).
+All loops over value rows keep tiles at ``[BV, K]``, so registers stay small and loads pipeline.  The
+kernels are not autotuned: they update the pool in place, and an autotuner would replay them on the same
+pool while timing (mamba_ssm's ``selective_state_update`` makes the same choice; see ``LaunchConfig``).
 Slots given as -1 are padding: their output rows are zero and no byte of the pool is touched.
 """
 
@@ -26,9 +27,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["MODE_CLOSE", "MODE_LOAD", "MODE_MATERIALIZE", "RESIDUAL_CODES", "boundary_kernel", "step_kernel"]
+__all__ = [
+    "MODE_LOAD",
+    "MODE_MATERIALIZE",
+    "RESIDUAL_CODES",
+    "boundary_kernel",
+    "close_kernel",
+    "step_kernel",
+]
 
-MODE_CLOSE = 0
 MODE_LOAD = 1
 MODE_MATERIALIZE = 2
 # residual format -> (code in the kernels, element max)
@@ -67,20 +74,19 @@ def _e4m3_grid(x):
 
 
 @triton.jit
-def _load_residual(p_payload, o_v, o_k, K: tl.constexpr, RESIDUAL: tl.constexpr):
-    """Residual codes of rows ``o_v`` as fp32 ``[BV, K]`` (int4 unpacked, keys in natural order).
+def _residual_rows(payload, i_s, o_v, o_k, K: tl.constexpr, V: tl.constexpr, RESIDUAL: tl.constexpr):
+    """Residual codes of value rows ``o_v`` as fp32 ``[BV, K]`` (int4 unpacked, keys in natural order).
 
-    Unmasked: value tiles always divide V (the wrappers check it), and fp8 has no masked-load fill value.
+    Unmasked: row chunks always divide V (the wrappers check it), and fp8 has no masked-load fill value.
     """
     if RESIDUAL == 4:
         o_k2 = tl.arange(0, K // 2)
-        b_byte = tl.load(p_payload + o_v[:, None] * (K // 2) + o_k2[None, :])
-        b_word = b_byte.to(tl.int32)
+        b_word = tl.load(payload + i_s * V * (K // 2) + o_v[:, None] * (K // 2) + o_k2[None, :]).to(tl.int32)
         b_lo = ((b_word << 28) >> 28).to(tl.float32)  # arithmetic shifts sign-extend each nibble
         b_hi = ((b_word << 24) >> 28).to(tl.float32)
         return tl.reshape(tl.join(b_lo, b_hi), (o_v.shape[0], K))
     else:
-        return tl.load(p_payload + o_v[:, None] * K + o_k[None, :]).to(tl.float32)
+        return tl.load(payload + i_s * V * K + o_v[:, None] * K + o_k[None, :]).to(tl.float32)
 
 
 @triton.heuristics(
@@ -111,6 +117,8 @@ def step_kernel(
     rec_k,
     rec_u,
     pos,
+    close_list,
+    close_count,
     qk_scale,
     H: tl.constexpr,
     HV: tl.constexpr,
@@ -127,23 +135,27 @@ def step_kernel(
     RESIDUAL: tl.constexpr,
     SMOOTH: tl.constexpr,
     READ_PRE: tl.constexpr,
+    ADVANCE: tl.constexpr,
+    STAGES: tl.constexpr,
+    FAST_CVT: tl.constexpr,
     VECTOR_DECAY: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr,
     GATE_IN_KERNEL: tl.constexpr,
 ):
-    i_nh, i_v = tl.program_id(0), tl.program_id(1)
+    i_nh = tl.program_id(0)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
     o_k = tl.arange(0, K)
-    o_v = i_v * BV + tl.arange(0, BV)
-    mask_v = o_v < V
-    p_o = o + i_nh.to(tl.int64) * V + o_v
+    o_b = tl.arange(0, BV)
+    p_o = o + i_nh.to(tl.int64) * V
 
     slot = tl.load(slots + i_n).to(tl.int64)
     if slot < 0:  # padding: zero output, no pool access at all
-        tl.store(p_o, tl.zeros([BV], dtype=tl.float32).to(p_o.dtype.element_ty), mask=mask_v)
+        for v0 in tl.range(0, V, BV):
+            tl.store(p_o + v0 + o_b, tl.zeros([BV], dtype=tl.float32).to(p_o.dtype.element_ty))
         return
     i_s = slot * HV + i_hv  # (slot, head) index into every pool tensor
+    i_pos = tl.load(pos + i_s)
 
     # -- the token: general-form read vector b, write key kw, query q and log decay g -----------------
     if NATIVE:
@@ -180,10 +192,8 @@ def step_kernel(
             b_g = tl.load(g + i_nh * K + o_k).to(tl.float32)
         else:
             b_g = tl.load(g + i_nh).to(tl.float32)
-    b_v = tl.load(v + i_nh * V + o_v, mask=mask_v, other=0).to(tl.float32)
 
-    # -- cumulative decays: G_{i-1} (read before the update) and G_i ----------------------------------
-    i_pos = tl.load(pos + i_s)
+    # -- cumulative decays G_{i-1} (read before the update) and G_i, and the two read vectors ----------
     if VECTOR_DECAY:
         b_gprev = tl.load(rec_g + (i_s * P + i_pos - 1) * K + o_k, mask=(o_k * 0 + i_pos) > 0, other=0.0)
     else:
@@ -194,51 +204,25 @@ def step_kernel(
         b_yq = tl.exp(b_gprev) * b_q
     else:
         b_yq = tl.exp(b_gnow) * b_q
-
-    # -- boundary: C dequant(R) read for both vectors in one pass over the payload -------------------
-    if SMOOTH:
+    if SMOOTH:  # C acts on key rows: fold it into the vectors the residual is read with
         b_c = tl.load(smooth + i_s * K + o_k)
         b_rb = b_c * b_yb
         b_rq = b_c * b_yq
     else:
         b_rb = b_yb
         b_rq = b_yq
-    if RESIDUAL == 4:
-        p_payload = payload + i_s * V * (K // 2)
-    else:
-        p_payload = payload + i_s * V * K
-    b_r = _load_residual(p_payload, o_v, o_k, K, RESIDUAL)
-    b_accb = tl.sum(b_r * b_rb[None, :], 1)
-    b_accq = tl.sum(b_r * b_rq[None, :], 1)
-    if RESIDUAL >= 2:
-        b_scale = tl.load(scale_v + i_s * V + o_v, mask=mask_v, other=0.0)
-        b_accb = b_accb * b_scale
-        b_accq = b_accq * b_scale
 
-    # -- compensator tokens: records with identity decay before the window's first record ------------
+    # -- weights of the compensator tokens (identity decay, before the first record) and of the records --
     if R > 0:
         o_r = tl.arange(0, BR)
         mask_r = o_r < R
         b_ck = tl.load(comp_k + (i_s * R + o_r[:, None]) * K + o_k[None, :], mask=mask_r[:, None], other=0)
-        b_cu = tl.load(
-            comp_u + (i_s * R + o_r[:, None]) * V + o_v[None, :],
-            mask=mask_r[:, None] & mask_v[None, :],
-            other=0,
-        )
-        b_ck = b_ck.to(tl.float32)
-        b_cu = b_cu.to(tl.float32)
-        b_accb += tl.sum(b_cu * tl.sum(b_ck * b_yb[None, :], 1)[:, None], 0)
-        b_accq += tl.sum(b_cu * tl.sum(b_ck * b_yq[None, :], 1)[:, None], 0)
-
-    # -- buffered records j < i ------------------------------------------------------------------------
+        b_cwb = tl.sum(b_ck.to(tl.float32) * b_yb[None, :], 1)
+        b_cwq = tl.sum(b_ck.to(tl.float32) * b_yq[None, :], 1)
     o_p = tl.arange(0, BP)
     mask_p = o_p < i_pos
     b_rk = tl.load(rec_k + (i_s * P + o_p[:, None]) * K + o_k[None, :], mask=mask_p[:, None], other=0)
     b_rk = b_rk.to(tl.float32)
-    b_ru = tl.load(
-        rec_u + (i_s * P + o_p[:, None]) * V + o_v[None, :], mask=mask_p[:, None] & mask_v[None, :], other=0
-    )
-    b_ru = b_ru.to(tl.float32)
     if VECTOR_DECAY:
         b_gj = tl.load(rec_g + (i_s * P + o_p[:, None]) * K + o_k[None, :], mask=mask_p[:, None], other=0.0)
         b_wb = tl.sum(b_rk * tl.exp(b_gprev[None, :] - b_gj) * b_b[None, :], 1)
@@ -255,30 +239,68 @@ def step_kernel(
             b_wq = tl.exp(b_gnow - b_gj) * tl.sum(b_rk * b_q[None, :], 1)
     b_wb = tl.where(mask_p, b_wb, 0.0)
     b_wq = tl.where(mask_p, b_wq, 0.0)
-    b_accb += tl.sum(b_ru * b_wb[:, None], 0)
-    b_accq += tl.sum(b_ru * b_wq[:, None], 0)
+    b_kw = b_kw.to(rec_k.dtype.element_ty)  # stored precision; the output reads the record back
+    b_kwq = tl.sum(b_kw.to(tl.float32) * b_q)
+    if RESIDUAL == 4:
+        b_rb_even, b_rb_odd = tl.split(tl.reshape(b_rb, (K // 2, 2)))
+        b_rq_even, b_rq_odd = tl.split(tl.reshape(b_rq, (K // 2, 2)))
 
-    # -- the new record, rounded as stored; the output reads it back -----------------------------------
-    p_ru = rec_u + (i_s * P + i_pos) * V + o_v
-    b_u = (b_v - b_accb).to(p_ru.dtype.element_ty)
-    b_kw = b_kw.to(rec_k.dtype.element_ty)
-    if READ_PRE:
-        b_o = b_accq
-    else:
-        b_o = b_accq + b_u.to(tl.float32) * tl.sum(b_kw.to(tl.float32) * b_q)
-    tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=mask_v)
-    tl.store(p_ru, b_u, mask=mask_v)
-    if i_v == 0:
-        tl.store(rec_k + (i_s * P + i_pos) * K + o_k, b_kw)
-        if VECTOR_DECAY:
-            tl.store(rec_g + (i_s * P + i_pos) * K + o_k, b_gnow)
+    # -- value rows in chunks: the residual is read once for both vectors --------------------------------
+    for v0 in tl.range(0, V, BV, num_stages=STAGES):
+        o_v = v0 + o_b
+        if RESIDUAL == 4:
+            o_k2 = tl.arange(0, K // 2)
+            b_word = tl.load(payload + i_s * V * (K // 2) + o_v[:, None] * (K // 2) + o_k2[None, :]).to(
+                tl.int32
+            )
+            b_lo = ((b_word << 28) >> 28).to(tl.float32)
+            b_hi = ((b_word << 24) >> 28).to(tl.float32)
+            b_accb = tl.sum(b_lo * b_rb_even[None, :] + b_hi * b_rb_odd[None, :], 1)
+            b_accq = tl.sum(b_lo * b_rq_even[None, :] + b_hi * b_rq_odd[None, :], 1)
         else:
-            tl.store(rec_g + i_s * P + i_pos, b_gnow)
+            b_r = tl.load(payload + i_s * V * K + o_v[:, None] * K + o_k[None, :])
+            if FAST_CVT and RESIDUAL == 2:  # int8 -> fp32 by exponent bits: integer add + fp add, no I2F
+                b_r = (b_r.to(tl.int32) + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+            else:
+                b_r = b_r.to(tl.float32)
+            b_accb = tl.sum(b_r * b_rb[None, :], 1)
+            b_accq = tl.sum(b_r * b_rq[None, :], 1)
+        if RESIDUAL >= 2:
+            b_scale = tl.load(scale_v + i_s * V + o_v)
+            b_accb = b_accb * b_scale
+            b_accq = b_accq * b_scale
+        if R > 0:
+            b_cu = tl.load(
+                comp_u + (i_s * R + o_r[:, None]) * V + o_v[None, :], mask=mask_r[:, None], other=0
+            )
+            b_accb += tl.sum(b_cu.to(tl.float32) * b_cwb[:, None], 0)
+            b_accq += tl.sum(b_cu.to(tl.float32) * b_cwq[:, None], 0)
+        b_ru = tl.load(rec_u + (i_s * P + o_p[:, None]) * V + o_v[None, :], mask=mask_p[:, None], other=0)
+        b_accb += tl.sum(b_ru.to(tl.float32) * b_wb[:, None], 0)
+        b_accq += tl.sum(b_ru.to(tl.float32) * b_wq[:, None], 0)
+        p_ru = rec_u + (i_s * P + i_pos) * V + o_v
+        b_u = (tl.load(v + i_nh * V + o_v).to(tl.float32) - b_accb).to(p_ru.dtype.element_ty)
+        if READ_PRE:
+            b_o = b_accq
+        else:
+            b_o = b_accq + b_u.to(tl.float32) * b_kwq
+        tl.store(p_o + o_v, b_o.to(p_o.dtype.element_ty))
+        tl.store(p_ru, b_u)
+    tl.store(rec_k + (i_s * P + i_pos) * K + o_k, b_kw)
+    if VECTOR_DECAY:
+        tl.store(rec_g + (i_s * P + i_pos) * K + o_k, b_gnow)
+    else:
+        tl.store(rec_g + i_s * P + i_pos, b_gnow)
+    if ADVANCE:  # one program per head: nobody else reads this position during the step
+        if i_pos + 1 < P:
+            tl.store(pos + i_s, i_pos + 1)
+        else:
+            tl.store(close_list + tl.atomic_add(close_count, 1), i_s)
 
 
 @triton.jit
 def _start_vectors(o_r, o_v):
-    """The +-1 hash of :func:`leapquant.methods.compensators.start_vectors`, ``[BR, V]``."""
+    """The +-1 hash of :func:`leapquant.methods.compensators.start_vectors`, ``[BR, BV]``."""
     j = o_v.to(tl.int64)[None, :]
     h = o_r.to(tl.int64)[:, None]
     x = (j * 0x9E3779B1 + (h + 1) * 0x85EBCA77) & 0xFFFFFFFF
@@ -289,10 +311,7 @@ def _start_vectors(o_r, o_v):
 
 @triton.jit
 def _orthonormalize_rows(b_z, o_r, R: tl.constexpr):
-    """Gram-Schmidt on the first ``R`` rows of ``[BR, K]`` (classical, twice: as stable as modified).
-
-    Runtime loops rather than unrolled ones: the boundary work is rare and compile time is not.
-    """
+    """Gram-Schmidt on the first ``R`` rows of ``[BR, K]`` (classical, twice: as stable as modified)."""
     b_q = tl.zeros_like(b_z)
     for h in range(R):
         b_row = tl.sum(tl.where(o_r[:, None] == h, b_z, 0.0), 0)
@@ -306,158 +325,274 @@ def _orthonormalize_rows(b_z, o_r, R: tl.constexpr):
     return b_q
 
 
-@triton.jit(do_not_specialize=["smooth_floor"])
-def boundary_kernel(
-    slots,
-    dense,
-    payload,
-    scale_v,
-    smooth,
-    comp_k,
-    comp_u,
-    rec_g,
-    rec_k,
-    rec_u,
-    pos,
-    smooth_floor,
-    HV: tl.constexpr,
-    K: tl.constexpr,
-    V: tl.constexpr,
-    P: tl.constexpr,
-    R: tl.constexpr,
-    BP: tl.constexpr,
-    BR: tl.constexpr,
-    MODE: tl.constexpr,
-    DENSE_KV: tl.constexpr,
-    ITERS: tl.constexpr,
-    RESIDUAL: tl.constexpr,
-    QMAX: tl.constexpr,
-    SMOOTH: tl.constexpr,
-    VECTOR_DECAY: tl.constexpr,
-):
-    i_nh = tl.program_id(0)
-    i_n, i_hv = i_nh // HV, i_nh % HV
-    o_k = tl.arange(0, K)
-    o_v = tl.arange(0, V)
-    if DENSE_KV:  # dense states [N, HV, K, V]
-        p_dense = dense + i_nh.to(tl.int64) * K * V + o_k[None, :] * V + o_v[:, None]
-    else:  # [N, HV, V, K]
-        p_dense = dense + i_nh.to(tl.int64) * K * V + o_v[:, None] * K + o_k[None, :]
-    slot = tl.load(slots + i_n).to(tl.int64)
-    if slot < 0:
-        if MODE == 2:
-            tl.store(p_dense, tl.zeros([V, K], dtype=tl.float32))
-        return
-    i_s = slot * HV + i_hv
-
-    # -- which state: the window end (CLOSE), the current position (MATERIALIZE), or the input (LOAD) ---
-    count = 0
-    if MODE == 0:
-        count = tl.load(pos + i_s) + 1
-        if count < P:
-            tl.store(pos + i_s, count)
-            return
-    if MODE == 2:
-        count = tl.load(pos + i_s)
-
-    if MODE == 1:
-        b_s = tl.load(p_dense).to(tl.float32)  # [V, K]
-    else:
-        if RESIDUAL == 4:
-            p_payload = payload + i_s * V * (K // 2)
-        else:
-            p_payload = payload + i_s * V * K
-        b_s = _load_residual(p_payload, o_v, o_k, K, RESIDUAL)
-        if RESIDUAL >= 2:
-            b_s = b_s * tl.load(scale_v + i_s * V + o_v)[:, None]
-        if SMOOTH:
-            b_s = b_s * tl.load(smooth + i_s * K + o_k)[None, :]
-        if R > 0:
-            o_r = tl.arange(0, BR)
-            mask_r = o_r < R
-            b_ck = tl.load(
-                comp_k + (i_s * R + o_r[:, None]) * K + o_k[None, :], mask=mask_r[:, None], other=0
-            )
-            b_cu = tl.load(
-                comp_u + (i_s * R + o_r[:, None]) * V + o_v[None, :], mask=mask_r[:, None], other=0
-            )
-            b_s += tl.dot(tl.trans(b_cu.to(tl.float32)), b_ck.to(tl.float32), input_precision="ieee")
-        if count > 0:
-            o_p = tl.arange(0, BP)
-            mask_p = o_p < count
-            if VECTOR_DECAY:
-                b_gend = tl.load(rec_g + (i_s * P + count - 1) * K + o_k)
-                b_gj = tl.load(
-                    rec_g + (i_s * P + o_p[:, None]) * K + o_k[None, :], mask=mask_p[:, None], other=0.0
-                )
-                b_s = b_s * tl.exp(b_gend)[None, :]
-                b_dec = tl.exp(b_gend[None, :] - b_gj)
-            else:
-                b_gend = tl.load(rec_g + i_s * P + count - 1)
-                b_gj = tl.load(rec_g + i_s * P + o_p, mask=mask_p, other=0.0)
-                b_s = b_s * tl.exp(b_gend)
-                b_dec = tl.exp(b_gend - b_gj)[:, None]
-            b_rk = tl.load(rec_k + (i_s * P + o_p[:, None]) * K + o_k[None, :], mask=mask_p[:, None], other=0)
-            b_ru = tl.load(rec_u + (i_s * P + o_p[:, None]) * V + o_v[None, :], mask=mask_p[:, None], other=0)
-            b_keys = tl.where(mask_p[:, None], b_rk.to(tl.float32) * b_dec, 0.0)
-            b_s += tl.dot(tl.trans(b_ru.to(tl.float32)), b_keys, input_precision="ieee")
-
-    if MODE == 2:
-        tl.store(p_dense, b_s)
-        return
-
-    # -- compensator tokens: subspace iteration on S (V-first here, so S^T of the paper's K-first S) ----
+@triton.jit
+def _boundary_rows(
+    i_s, o_v, o_k, count, payload, scale_v, smooth, comp_k, comp_u, rec_g, rec_k, rec_u,
+    K: tl.constexpr, V: tl.constexpr, P: tl.constexpr, R: tl.constexpr, BP: tl.constexpr, BR: tl.constexpr,
+    RESIDUAL: tl.constexpr, SMOOTH: tl.constexpr, VECTOR_DECAY: tl.constexpr, DOT: tl.constexpr,
+):  # fmt: skip
+    """Rows ``o_v`` of the dense state after ``count`` records of the window, ``[BV, K]`` fp32 (eq. 7)."""
+    b_s = _residual_rows(payload, i_s, o_v, o_k, K, V, RESIDUAL)
+    if RESIDUAL >= 2:
+        b_s = b_s * tl.load(scale_v + i_s * V + o_v)[:, None]
+    if SMOOTH:
+        b_s = b_s * tl.load(smooth + i_s * K + o_k)[None, :]
     if R > 0:
         o_r = tl.arange(0, BR)
         mask_r = o_r < R
-        b_start = _start_vectors(o_r, o_v)
-        if MODE == 0:
-            b_basis = tl.load(
-                comp_u + (i_s * R + o_r[:, None]) * V + o_v[None, :], mask=mask_r[:, None], other=0
+        b_ck = tl.load(comp_k + (i_s * R + o_r[:, None]) * K + o_k[None, :], mask=mask_r[:, None], other=0)
+        b_cu = tl.load(comp_u + (i_s * R + o_r[:, None]) * V + o_v[None, :], mask=mask_r[:, None], other=0)
+        b_s += tl.dot(tl.trans(b_cu.to(tl.float32)), b_ck.to(tl.float32), input_precision=DOT)
+    if count > 0:
+        o_p = tl.arange(0, BP)
+        mask_p = o_p < count
+        if VECTOR_DECAY:
+            b_gend = tl.load(rec_g + (i_s * P + count - 1) * K + o_k)
+            b_gj = tl.load(
+                rec_g + (i_s * P + o_p[:, None]) * K + o_k[None, :], mask=mask_p[:, None], other=0.0
             )
-            b_basis = b_basis.to(tl.float32)
-            b_usable = tl.sqrt(tl.sum(b_basis * b_basis, 1)) > 1e-30
-            b_basis = tl.where(b_usable[:, None], b_basis, b_start)
+            b_s = b_s * tl.exp(b_gend)[None, :]
+            b_dec = tl.exp(b_gend[None, :] - b_gj)
         else:
-            b_basis = b_start
-        b_basis = tl.where(mask_r[:, None], b_basis, 0.0)
-        b_qk = tl.zeros([BR, K], dtype=tl.float32)
-        for _ in range(ITERS):
-            b_z = tl.dot(b_basis, b_s, input_precision="ieee")  # [BR, K] = (S_kv @ basis)^T
-            b_qk = _orthonormalize_rows(b_z, o_r, R)
-            b_basis = tl.dot(b_qk, tl.trans(b_s), input_precision="ieee")  # [BR, V] = (S_kv^T @ Q)^T
+            b_gend = tl.load(rec_g + i_s * P + count - 1)
+            b_gj = tl.load(rec_g + i_s * P + o_p, mask=mask_p, other=0.0)
+            b_s = b_s * tl.exp(b_gend)
+            b_dec = tl.exp(b_gend - b_gj)[:, None]
+        b_rk = tl.load(rec_k + (i_s * P + o_p[:, None]) * K + o_k[None, :], mask=mask_p[:, None], other=0)
+        b_ru = tl.load(rec_u + (i_s * P + o_p[:, None]) * V + o_v[None, :], mask=mask_p[:, None], other=0)
+        b_keys = tl.where(mask_p[:, None], b_rk.to(tl.float32) * b_dec, 0.0)
+        b_s += tl.dot(tl.trans(b_ru.to(tl.float32)), b_keys, input_precision=DOT)
+    return b_s
+
+
+@triton.jit
+def _fit_tokens(
+    i_s, work, uwork, z0, comp_u, WARM: tl.constexpr, ITERS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    R: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr, DOT: tl.constexpr,
+):  # fmt: skip
+    """Subspace iteration on the state in ``work [V, K]``: returns orthonormal key vectors ``Q [BR, K]``.
+
+    ``z0 = (S_kv @ U0)^T`` for the starting vectors ``U0`` has already been accumulated by the caller (in
+    the same pass that built ``work``); each further iteration is one pass ``U = S_kv^T Q`` into ``uwork``
+    and one pass ``z = S_kv @ U``.
+    """
+    o_k = tl.arange(0, K)
+    o_b = tl.arange(0, BV)
+    o_r = tl.arange(0, BR)
+    b_qk = _orthonormalize_rows(z0, o_r, R)
+    for _ in range(ITERS - 1):
+        for v0 in tl.range(0, V, BV):
+            o_v = v0 + o_b
+            b_rows = tl.load(work + o_v[:, None] * K + o_k[None, :])
+            tl.store(
+                uwork + o_r[:, None] * V + o_v[None, :], tl.dot(b_qk, tl.trans(b_rows), input_precision=DOT)
+            )
+        tl.debug_barrier()
+        b_z = tl.zeros([BR, K], dtype=tl.float32)
+        for v0 in tl.range(0, V, BV):
+            o_v = v0 + o_b
+            b_rows = tl.load(work + o_v[:, None] * K + o_k[None, :])
+            b_basis = tl.where((o_r < R)[:, None], tl.load(uwork + o_r[:, None] * V + o_v[None, :]), 0.0)
+            b_z += tl.dot(b_basis, b_rows, input_precision=DOT)
+        tl.debug_barrier()
+        b_qk = _orthonormalize_rows(b_z, o_r, R)
+    return b_qk
+
+
+@triton.jit
+def _start_basis(i_s, o_r, o_v, comp_u, b_usable, WARM: tl.constexpr, V: tl.constexpr, R: tl.constexpr):
+    """Starting value vectors of the fit, ``[BR, BV]``: the previous tokens, or hashed +-1 where unusable."""
+    b_start = _start_vectors(o_r, o_v)
+    if WARM:
+        mask_r = o_r < R
+        b_old = tl.load(comp_u + (i_s * R + o_r[:, None]) * V + o_v[None, :], mask=mask_r[:, None], other=0)
+        b_start = tl.where(b_usable[:, None], b_old.to(tl.float32), b_start)
+    return tl.where((o_r < R)[:, None], b_start, 0.0)
+
+
+@triton.jit
+def _compress(
+    i_s, work, b_qk, payload, scale_v, smooth, comp_k, comp_u, smooth_floor, K: tl.constexpr, V: tl.constexpr,
+    R: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr, RESIDUAL: tl.constexpr, QMAX: tl.constexpr,
+    SMOOTH: tl.constexpr, DOT: tl.constexpr,
+):  # fmt: skip
+    """Store tokens ``Q`` and ``U = S_kv^T Q`` (fp16), then smooth and quantize ``S - Q^T U`` into ``i_s``.
+
+    Two passes over the state in ``work [V, K]``: the first writes ``U`` row chunks and sums ``|R|`` per key
+    for the smoothing scales, the second recomputes the residual chunk (cheaper than storing it) and
+    quantizes it with per-value-channel scales, a reduction along the keys of each row.
+    """
+    o_k = tl.arange(0, K)
+    o_b = tl.arange(0, BV)
+    if R > 0:
+        o_r = tl.arange(0, BR)
+        mask_r = o_r < R
         b_ck16 = b_qk.to(tl.float16)
-        b_cu16 = b_basis.to(tl.float16)
         tl.store(comp_k + (i_s * R + o_r[:, None]) * K + o_k[None, :], b_ck16, mask=mask_r[:, None])
-        tl.store(comp_u + (i_s * R + o_r[:, None]) * V + o_v[None, :], b_cu16, mask=mask_r[:, None])
-        b_s -= tl.dot(tl.trans(b_cu16.to(tl.float32)), b_ck16.to(tl.float32), input_precision="ieee")
-
-    # -- smoothing: c_k = sqrt(mean_v |R_vk|), stored fp32 ----------------------------------------------
-    if SMOOTH:
-        b_c = tl.maximum(tl.sqrt(tl.sum(tl.abs(b_s), 0) / V), smooth_floor)
+        b_ck = b_ck16.to(tl.float32)
+    b_csum = tl.zeros([K], dtype=tl.float32)
+    for v0 in tl.range(0, V, BV):
+        o_v = v0 + o_b
+        b_rows = tl.load(work + o_v[:, None] * K + o_k[None, :])
+        if R > 0:
+            b_cu16 = tl.dot(b_qk, tl.trans(b_rows), input_precision=DOT).to(tl.float16)  # [BR, BV]
+            tl.store(comp_u + (i_s * R + o_r[:, None]) * V + o_v[None, :], b_cu16, mask=mask_r[:, None])
+            b_rows -= tl.dot(tl.trans(tl.where(mask_r[:, None], b_cu16.to(tl.float32), 0.0)), b_ck,
+                             input_precision=DOT)  # fmt: skip
+        b_csum += tl.sum(tl.abs(b_rows), 0)
+    if SMOOTH:  # c_k = sqrt(mean_v |R_vk|), stored fp32
+        b_c = tl.maximum(tl.sqrt(b_csum / V), smooth_floor)
         tl.store(smooth + i_s * K + o_k, b_c)
-        b_s = tl.math.div_rn(b_s, b_c[None, :])
-
-    # -- quantize the residual with per-value-channel scales ---------------------------------------------
-    if RESIDUAL == 0:
-        tl.store(payload + i_s * V * K + o_v[:, None] * K + o_k[None, :], b_s)
-    elif RESIDUAL == 1:
-        tl.store(payload + i_s * V * K + o_v[:, None] * K + o_k[None, :], _bf16_grid(b_s).to(tl.bfloat16))
-    else:
-        b_scale = tl.math.div_rn(tl.max(tl.abs(b_s), 1), QMAX)
-        b_scale = tl.where(b_scale == 0.0, 1.0, b_scale)
-        tl.store(scale_v + i_s * V + o_v, b_scale)
-        b_x = tl.math.div_rn(b_s, b_scale[:, None])
-        if RESIDUAL == 3:
-            b_x = _e4m3_grid(tl.minimum(tl.maximum(b_x, -QMAX), QMAX))
-            tl.store(payload + i_s * V * K + o_v[:, None] * K + o_k[None, :], b_x.to(tl.float8e4nv))
+    for v0 in tl.range(0, V, BV):
+        o_v = v0 + o_b
+        b_rows = tl.load(work + o_v[:, None] * K + o_k[None, :])
+        if R > 0:
+            b_cu16 = tl.dot(b_qk, tl.trans(b_rows), input_precision=DOT).to(tl.float16)
+            b_rows -= tl.dot(tl.trans(tl.where(mask_r[:, None], b_cu16.to(tl.float32), 0.0)), b_ck,
+                             input_precision=DOT)  # fmt: skip
+        if SMOOTH:
+            b_rows = tl.math.div_rn(b_rows, b_c[None, :])
+        if RESIDUAL == 0:
+            tl.store(payload + i_s * V * K + o_v[:, None] * K + o_k[None, :], b_rows)
+        elif RESIDUAL == 1:
+            tl.store(
+                payload + i_s * V * K + o_v[:, None] * K + o_k[None, :], _bf16_grid(b_rows).to(tl.bfloat16)
+            )
         else:
-            b_x = tl.minimum(tl.maximum(_rint(b_x), -QMAX), QMAX).to(tl.int32)
-            if RESIDUAL == 2:
-                tl.store(payload + i_s * V * K + o_v[:, None] * K + o_k[None, :], b_x.to(tl.int8))
+            b_scale = tl.math.div_rn(tl.max(tl.abs(b_rows), 1), QMAX)
+            b_scale = tl.where(b_scale == 0.0, 1.0, b_scale)
+            tl.store(scale_v + i_s * V + o_v, b_scale)
+            b_x = tl.math.div_rn(b_rows, b_scale[:, None])
+            if RESIDUAL == 3:
+                b_x = _e4m3_grid(tl.minimum(tl.maximum(b_x, -QMAX), QMAX))
+                tl.store(payload + i_s * V * K + o_v[:, None] * K + o_k[None, :], b_x.to(tl.float8e4nv))
             else:
-                b_lo, b_hi = tl.split(tl.reshape(b_x, (V, K // 2, 2)))
-                b_byte = ((b_lo & 0xF) | ((b_hi & 0xF) << 4)).to(tl.uint8)
-                o_k2 = tl.arange(0, K // 2)
-                tl.store(payload + i_s * V * (K // 2) + o_v[:, None] * (K // 2) + o_k2[None, :], b_byte)
-    tl.store(pos + i_s, 0)
+                b_x = tl.minimum(tl.maximum(_rint(b_x), -QMAX), QMAX).to(tl.int32)
+                if RESIDUAL == 2:
+                    tl.store(payload + i_s * V * K + o_v[:, None] * K + o_k[None, :], b_x.to(tl.int8))
+                else:
+                    b_lo, b_hi = tl.split(tl.reshape(b_x, (BV, K // 2, 2)))
+                    b_byte = ((b_lo & 0xF) | ((b_hi & 0xF) << 4)).to(tl.uint8)
+                    o_k2 = tl.arange(0, K // 2)
+                    tl.store(payload + i_s * V * (K // 2) + o_v[:, None] * (K // 2) + o_k2[None, :], b_byte)
+
+
+@triton.jit
+def _usable(i_s, comp_u, WARM: tl.constexpr, V: tl.constexpr, R: tl.constexpr, BV: tl.constexpr,
+            BR: tl.constexpr):  # fmt: skip
+    """Which previous value vectors can warm-start the fit (non-zero), ``[BR]`` bool."""
+    o_r = tl.arange(0, BR)
+    b_norm = tl.zeros([BR], dtype=tl.float32)
+    if WARM:
+        o_b = tl.arange(0, BV)
+        for v0 in tl.range(0, V, BV):
+            b_u = tl.load(
+                comp_u + (i_s * R + o_r[:, None]) * V + v0 + o_b[None, :], mask=(o_r < R)[:, None], other=0
+            )
+            b_norm += tl.sum(b_u.to(tl.float32) * b_u.to(tl.float32), 1)
+    return tl.sqrt(b_norm) > 1e-30
+
+
+@triton.jit(do_not_specialize=["smooth_floor"])
+def close_kernel(
+    close_list, close_count, work, uwork, payload, scale_v, smooth, comp_k, comp_u, rec_g, rec_k, rec_u, pos,
+    smooth_floor,
+    K: tl.constexpr, V: tl.constexpr, P: tl.constexpr, R: tl.constexpr, BV: tl.constexpr, BP: tl.constexpr,
+    BR: tl.constexpr, ITERS: tl.constexpr, RESIDUAL: tl.constexpr, QMAX: tl.constexpr, SMOOTH: tl.constexpr,
+    VECTOR_DECAY: tl.constexpr, DOT: tl.constexpr,
+):  # fmt: skip
+    """Persistent: program ``pid`` closes list entries ``pid, pid + grid, ...`` (heads that just filled a
+    window), each through its own scratch tile ``work[pid]``."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    o_k = tl.arange(0, K)
+    o_b = tl.arange(0, BV)
+    o_r = tl.arange(0, BR)
+    p_work = work + pid.to(tl.int64) * V * K
+    p_uwork = uwork + pid.to(tl.int64) * BR * V
+    count = tl.load(close_count)
+    for idx in range(pid, count, nprog):
+        i_s = tl.load(close_list + idx).to(tl.int64)
+        b_usable = _usable(i_s, comp_u, True, V, R, BV, BR)
+        b_z = tl.zeros([BR, K], dtype=tl.float32)
+        for v0 in tl.range(0, V, BV):  # reconstruct S (eq. 7) and start the fit in the same pass
+            o_v = v0 + o_b
+            b_rows = _boundary_rows(
+                i_s, o_v, o_k, P, payload, scale_v, smooth, comp_k, comp_u, rec_g, rec_k, rec_u,
+                K, V, P, R, BP, BR, RESIDUAL, SMOOTH, VECTOR_DECAY, DOT,
+            )  # fmt: skip
+            tl.store(p_work + o_v[:, None] * K + o_k[None, :], b_rows)
+            if R > 0:
+                b_basis = _start_basis(i_s, o_r, o_v, comp_u, b_usable, True, V, R)
+                b_z += tl.dot(b_basis, b_rows, input_precision=DOT)
+        tl.debug_barrier()
+        b_qk = tl.zeros([BR, K], dtype=tl.float32)
+        if R > 0:
+            b_qk = _fit_tokens(i_s, p_work, p_uwork, b_z, comp_u, True, ITERS, K, V, R, BV, BR, DOT)
+        _compress(i_s, p_work, b_qk, payload, scale_v, smooth, comp_k, comp_u, smooth_floor,
+                  K, V, R, BV, BR, RESIDUAL, QMAX, SMOOTH, DOT)  # fmt: skip
+        tl.store(pos + i_s, 0)
+        tl.debug_barrier()  # the next head reuses the scratch tile
+
+
+@triton.jit(do_not_specialize=["smooth_floor"])
+def boundary_kernel(
+    slots, dense, work, uwork, payload, scale_v, smooth, comp_k, comp_u, rec_g, rec_k, rec_u, pos,
+    smooth_floor, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, P: tl.constexpr, R: tl.constexpr,
+    BV: tl.constexpr, BP: tl.constexpr, BR: tl.constexpr, MODE: tl.constexpr, DENSE_KV: tl.constexpr,
+    ITERS: tl.constexpr, RESIDUAL: tl.constexpr, QMAX: tl.constexpr, SMOOTH: tl.constexpr,
+    VECTOR_DECAY: tl.constexpr, DOT: tl.constexpr,
+):  # fmt: skip
+    """One program per (sequence, head): LOAD quantizes ``dense`` into the slot with a cold-started fit;
+    MATERIALIZE writes the slot's dense state at its current position into ``dense``."""
+    i_nh = tl.program_id(0)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    o_k = tl.arange(0, K)
+    o_b = tl.arange(0, BV)
+    p_dense = dense + i_nh.to(tl.int64) * K * V
+    slot = tl.load(slots + i_n).to(tl.int64)
+    if slot < 0:
+        if MODE == 2:
+            for v0 in tl.range(0, V, BV):
+                o_v = v0 + o_b
+                if DENSE_KV:
+                    tl.store(p_dense + o_k[None, :] * V + o_v[:, None], tl.zeros([BV, K], dtype=tl.float32))
+                else:
+                    tl.store(p_dense + o_v[:, None] * K + o_k[None, :], tl.zeros([BV, K], dtype=tl.float32))
+        return
+    i_s = slot * HV + i_hv
+    p_work = work + i_nh.to(tl.int64) * V * K
+    p_uwork = uwork + i_nh.to(tl.int64) * BR * V
+    o_r = tl.arange(0, BR)
+    count = tl.load(pos + i_s)
+    b_z = tl.zeros([BR, K], dtype=tl.float32)
+    b_usable = o_r < 0  # LOAD starts cold: no previous tokens
+    for v0 in tl.range(0, V, BV):
+        o_v = v0 + o_b
+        if MODE == 1:
+            if DENSE_KV:
+                b_rows = tl.load(p_dense + o_k[None, :] * V + o_v[:, None])
+            else:
+                b_rows = tl.load(p_dense + o_v[:, None] * K + o_k[None, :])
+            tl.store(p_work + o_v[:, None] * K + o_k[None, :], b_rows)
+            if R > 0:
+                b_z += tl.dot(
+                    _start_basis(i_s, o_r, o_v, comp_u, b_usable, False, V, R), b_rows, input_precision=DOT
+                )
+        else:
+            b_rows = _boundary_rows(
+                i_s, o_v, o_k, count, payload, scale_v, smooth, comp_k, comp_u, rec_g, rec_k, rec_u,
+                K, V, P, R, BP, BR, RESIDUAL, SMOOTH, VECTOR_DECAY, DOT,
+            )  # fmt: skip
+            if DENSE_KV:
+                tl.store(p_dense + o_k[None, :] * V + o_v[:, None], b_rows)
+            else:
+                tl.store(p_dense + o_v[:, None] * K + o_k[None, :], b_rows)
+    if MODE == 1:
+        tl.debug_barrier()
+        b_qk = tl.zeros([BR, K], dtype=tl.float32)
+        if R > 0:
+            b_qk = _fit_tokens(i_s, p_work, p_uwork, b_z, comp_u, False, ITERS, K, V, R, BV, BR, DOT)
+        _compress(i_s, p_work, b_qk, payload, scale_v, smooth, comp_k, comp_u, smooth_floor,
+                  K, V, R, BV, BR, RESIDUAL, QMAX, SMOOTH, DOT)  # fmt: skip
+        tl.store(pos + i_s, 0)
