@@ -202,23 +202,20 @@ def _tune(case, launch, measure, report, con):
     from dataclasses import replace
 
     best, best_ms = launch, float("inf")
-    for bv, warps in STEP_SHAPES:
-        shape = replace(launch, step_bv=bv, step_warps=warps)
+    for bv, warps, stages, fast in STEP_SHAPES:
+        shape = replace(launch, step_bv=bv, step_warps=warps, step_stages=stages, fast_cvt=fast)
         row = measure("leapquant-int8:step", case, shape)
         report["tuning"].append(row)
         if "error" not in row and row["ms"] < best_ms:
             best, best_ms = shape, row["ms"]
-        con.print(
-            f"tune {case.family} step bv={bv} warps={warps}: {row.get('ms', float('nan')) * 1e3:.1f} us"
-        )
+        con.print(f"tune {case.family} step {shape}: {row.get('ms', float('nan')) * 1e3:.1f} us")
     chosen, best_ms = best, float("inf")
-    for bv, warps, programs in CLOSE_SHAPES:
-        shape = replace(best, close_bv=bv, close_warps=warps, close_programs_per_sm=programs)
+    for bv, warps, programs, dot in CLOSE_SHAPES:
+        shape = replace(best, close_bv=bv, close_warps=warps, close_programs_per_sm=programs, dot=dot)
         row = measure("leapquant-int8", case, shape)
         report["tuning"].append(row)
         if "error" not in row and row["ms"] < best_ms:
             chosen, best_ms = shape, row["ms"]
-        ms = row.get("ms", float("nan")) * 1e3
-        con.print(f"tune {case.family} close bv={bv} warps={warps} programs/SM={programs}: {ms:.1f} us")
+        con.print(f"tune {case.family} close {shape}: {row.get('ms', float('nan')) * 1e3:.1f} us")
     con.print(f"tune {case.family}: chose {chosen}")
     return chosen

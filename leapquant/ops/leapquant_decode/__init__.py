@@ -164,9 +164,9 @@ def _launch_close(pool: LeapQuantPool, n: int, launch: LaunchConfig) -> None:
     close_kernel[(grid,)](
         list_, count, work, uwork, t["payload"], t.get("scale", dummy), t.get("smooth", dummy),
         t.get("comp_k", dummy), t.get("comp_u", dummy), t["rec_g"], t["rec_k"], t["rec_u"], t["pos"],
-        SMOOTHING_FLOOR,
+        SMOOTHING_FLOOR, qmax,
         K=cfg.d_k, V=cfg.d_v, P=cfg.window, R=cfg.compensators, BV=min(cfg.d_v, launch.close_bv),
-        BP=_pow2(cfg.window, 16), BR=br, ITERS=cfg.power_iters, RESIDUAL=code, QMAX=qmax,
+        BP=_pow2(cfg.window, 16), BR=br, ITERS=cfg.power_iters, RESIDUAL=code,
         SMOOTH=cfg.smoothing, VECTOR_DECAY=cfg.decay == "vector", DOT=launch.dot,
         num_warps=launch.close_warps,
     )  # fmt: skip
@@ -188,10 +188,9 @@ def _launch_boundary(pool: LeapQuantPool, slots: torch.Tensor, dense: torch.Tens
     boundary_kernel[(programs,)](
         slots, dense, work, uwork, t["payload"], t.get("scale", dummy), t.get("smooth", dummy),
         t.get("comp_k", dummy), t.get("comp_u", dummy), t["rec_g"], t["rec_k"], t["rec_u"], t["pos"],
-        SMOOTHING_FLOOR,
-        HV=cfg.heads, K=cfg.d_k, V=cfg.d_v, P=cfg.window, R=cfg.compensators,
+        SMOOTHING_FLOOR, qmax, HV=cfg.heads, K=cfg.d_k, V=cfg.d_v, P=cfg.window, R=cfg.compensators,
         BV=min(cfg.d_v, launch.close_bv), BP=_pow2(cfg.window, 16), BR=br, MODE=mode, DENSE_KV=kv,
-        ITERS=cfg.cold_iters, RESIDUAL=code, QMAX=qmax, SMOOTH=cfg.smoothing,
+        ITERS=cfg.cold_iters, RESIDUAL=code, SMOOTH=cfg.smoothing,
         VECTOR_DECAY=cfg.decay == "vector", DOT=launch.dot, num_warps=launch.close_warps,
     )  # fmt: skip
 

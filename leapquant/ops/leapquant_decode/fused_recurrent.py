@@ -412,8 +412,8 @@ def _start_basis(i_s, o_r, o_v, comp_u, b_usable, WARM: tl.constexpr, V: tl.cons
 
 @triton.jit
 def _compress(
-    i_s, work, b_qk, payload, scale_v, smooth, comp_k, comp_u, smooth_floor, K: tl.constexpr, V: tl.constexpr,
-    R: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr, RESIDUAL: tl.constexpr, QMAX: tl.constexpr,
+    i_s, work, b_qk, payload, scale_v, smooth, comp_k, comp_u, smooth_floor, qmax, K: tl.constexpr,
+    V: tl.constexpr, R: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr, RESIDUAL: tl.constexpr,
     SMOOTH: tl.constexpr, DOT: tl.constexpr,
 ):  # fmt: skip
     """Store tokens ``Q`` and ``U = S_kv^T Q`` (fp16), then smooth and quantize ``S - Q^T U`` into ``i_s``.
@@ -459,15 +459,17 @@ def _compress(
                 payload + i_s * V * K + o_v[:, None] * K + o_k[None, :], _bf16_grid(b_rows).to(tl.bfloat16)
             )
         else:
-            b_scale = tl.math.div_rn(tl.max(tl.abs(b_rows), 1), QMAX)
+            # qmax is a runtime value: a constant divisor gets folded into a reciprocal multiply, which
+            # is not the correctly rounded quotient the formats (and the tests) define
+            b_scale = tl.math.div_rn(tl.max(tl.abs(b_rows), 1), qmax)
             b_scale = tl.where(b_scale == 0.0, 1.0, b_scale)
             tl.store(scale_v + i_s * V + o_v, b_scale)
             b_x = tl.math.div_rn(b_rows, b_scale[:, None])
             if RESIDUAL == 3:
-                b_x = _e4m3_grid(tl.minimum(tl.maximum(b_x, -QMAX), QMAX))
+                b_x = _e4m3_grid(tl.minimum(tl.maximum(b_x, -qmax), qmax))
                 tl.store(payload + i_s * V * K + o_v[:, None] * K + o_k[None, :], b_x.to(tl.float8e4nv))
             else:
-                b_x = tl.minimum(tl.maximum(_rint(b_x), -QMAX), QMAX).to(tl.int32)
+                b_x = tl.minimum(tl.maximum(_rint(b_x), -qmax), qmax).to(tl.int32)
                 if RESIDUAL == 2:
                     tl.store(payload + i_s * V * K + o_v[:, None] * K + o_k[None, :], b_x.to(tl.int8))
                 else:
@@ -493,12 +495,12 @@ def _usable(i_s, comp_u, WARM: tl.constexpr, V: tl.constexpr, R: tl.constexpr, B
     return tl.sqrt(b_norm) > 1e-30
 
 
-@triton.jit(do_not_specialize=["smooth_floor"])
+@triton.jit(do_not_specialize=["smooth_floor", "qmax"])
 def close_kernel(
     close_list, close_count, work, uwork, payload, scale_v, smooth, comp_k, comp_u, rec_g, rec_k, rec_u, pos,
-    smooth_floor,
+    smooth_floor, qmax,
     K: tl.constexpr, V: tl.constexpr, P: tl.constexpr, R: tl.constexpr, BV: tl.constexpr, BP: tl.constexpr,
-    BR: tl.constexpr, ITERS: tl.constexpr, RESIDUAL: tl.constexpr, QMAX: tl.constexpr, SMOOTH: tl.constexpr,
+    BR: tl.constexpr, ITERS: tl.constexpr, RESIDUAL: tl.constexpr, SMOOTH: tl.constexpr,
     VECTOR_DECAY: tl.constexpr, DOT: tl.constexpr,
 ):  # fmt: skip
     """Persistent: program ``pid`` closes list entries ``pid, pid + grid, ...`` (heads that just filled a
@@ -529,18 +531,18 @@ def close_kernel(
         b_qk = tl.zeros([BR, K], dtype=tl.float32)
         if R > 0:
             b_qk = _fit_tokens(i_s, p_work, p_uwork, b_z, comp_u, True, ITERS, K, V, R, BV, BR, DOT)
-        _compress(i_s, p_work, b_qk, payload, scale_v, smooth, comp_k, comp_u, smooth_floor,
-                  K, V, R, BV, BR, RESIDUAL, QMAX, SMOOTH, DOT)  # fmt: skip
+        _compress(i_s, p_work, b_qk, payload, scale_v, smooth, comp_k, comp_u, smooth_floor, qmax,
+                  K, V, R, BV, BR, RESIDUAL, SMOOTH, DOT)  # fmt: skip
         tl.store(pos + i_s, 0)
         tl.debug_barrier()  # the next head reuses the scratch tile
 
 
-@triton.jit(do_not_specialize=["smooth_floor"])
+@triton.jit(do_not_specialize=["smooth_floor", "qmax"])
 def boundary_kernel(
     slots, dense, work, uwork, payload, scale_v, smooth, comp_k, comp_u, rec_g, rec_k, rec_u, pos,
-    smooth_floor, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, P: tl.constexpr, R: tl.constexpr,
+    smooth_floor, qmax, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, P: tl.constexpr, R: tl.constexpr,
     BV: tl.constexpr, BP: tl.constexpr, BR: tl.constexpr, MODE: tl.constexpr, DENSE_KV: tl.constexpr,
-    ITERS: tl.constexpr, RESIDUAL: tl.constexpr, QMAX: tl.constexpr, SMOOTH: tl.constexpr,
+    ITERS: tl.constexpr, RESIDUAL: tl.constexpr, SMOOTH: tl.constexpr,
     VECTOR_DECAY: tl.constexpr, DOT: tl.constexpr,
 ):  # fmt: skip
     """One program per (sequence, head): LOAD quantizes ``dense`` into the slot with a cold-started fit;
@@ -593,6 +595,6 @@ def boundary_kernel(
         b_qk = tl.zeros([BR, K], dtype=tl.float32)
         if R > 0:
             b_qk = _fit_tokens(i_s, p_work, p_uwork, b_z, comp_u, False, ITERS, K, V, R, BV, BR, DOT)
-        _compress(i_s, p_work, b_qk, payload, scale_v, smooth, comp_k, comp_u, smooth_floor,
-                  K, V, R, BV, BR, RESIDUAL, QMAX, SMOOTH, DOT)  # fmt: skip
+        _compress(i_s, p_work, b_qk, payload, scale_v, smooth, comp_k, comp_u, smooth_floor, qmax,
+                  K, V, R, BV, BR, RESIDUAL, SMOOTH, DOT)  # fmt: skip
         tl.store(pos + i_s, 0)
