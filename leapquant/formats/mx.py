@@ -40,7 +40,7 @@ from ..errors import LeapQuantError
 from .base import QuantizedState, StateFormat, expand_blocks, to_blocks
 from .constants import E2M1, E2M3, E3M2, E4M3, E5M2, E8M0_BIAS, E8M0_MAX_EXP, E8M0_MIN_EXP, MX_BLOCK
 from .elements import MinifloatElement
-from .scaled import check_flag, check_parts, check_state, pow2
+from .scaled import check_flag, check_parts, check_state, exact_div, pow2
 
 __all__ = ["MX_NAMES", "MXFormat"]
 
@@ -83,7 +83,7 @@ class MXFormat(StateFormat):
             zero = amax == 0
         else:
             # Division in the input dtype: for float32 this is torchao's fp32 ``descale``.
-            descale = amax / self.element.max_value
+            descale = exact_div(amax, self.element.max_value)
             m, e = torch.frexp(descale)
             exp = e.to(torch.int64) - (m == 0.5).to(torch.int64)  # exact ceil(log2(descale))
             zero = descale == 0  # an all-zero block, or a descale below the dtype's range

@@ -28,7 +28,7 @@ from ..errors import LeapQuantError
 from .base import QuantizedState, StateFormat, expand_blocks, to_blocks
 from .constants import E2M1, E2M3, E4M3, NVFP_BLOCK, SCALE_BITS_FP32
 from .elements import MinifloatElement
-from .scaled import check_flag, check_parts, check_state, fp32_scale
+from .scaled import check_flag, check_parts, check_state, exact_div, fp32_scale
 
 __all__ = ["NVFP_NAMES", "NVFPFormat"]
 
@@ -68,9 +68,9 @@ class NVFPFormat(StateFormat):
         """Stored ``(tensor_scale [..., 1, 1], block_scale [..., ceil(d_k/16), d_v])`` in ``x``'s dtype."""
         emax = self.element.max_value
         ax = x.abs()
-        ts = fp32_scale(ax.amax(dim=(-2, -1), keepdim=True) / (E4M3.max_normal * emax))
+        ts = fp32_scale(exact_div(ax.amax(dim=(-2, -1), keepdim=True), E4M3.max_normal * emax))
         ts = ts.clamp(min=TENSOR_SCALE_MIN)
-        bs = to_blocks(ax, NVFP_BLOCK).amax(dim=-2) / emax / ts
+        bs = exact_div(to_blocks(ax, NVFP_BLOCK).amax(dim=-2), emax) / ts
         bs = _E4M3.round(bs.clamp(E4M3.min_normal, E4M3.max_normal))
         return ts, bs
 

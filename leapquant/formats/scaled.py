@@ -26,6 +26,7 @@ __all__ = [
     "check_flag",
     "check_parts",
     "check_state",
+    "exact_div",
     "fp32_scale",
     "pow2",
 ]
@@ -56,6 +57,15 @@ def check_parts(fmt: StateFormat, q: QuantizedState, parts: tuple[str, ...]) -> 
         raise LeapQuantError(
             f"{fmt.name}: cannot dequantize a {q.format!r} state with parts {sorted(q.parts)}"
         )
+
+
+def exact_div(x: torch.Tensor, divisor: float) -> torch.Tensor:
+    """``x / divisor`` correctly rounded on every device.
+
+    A Python-scalar divisor would let PyTorch's CUDA kernel multiply by its reciprocal instead, which can
+    differ in the last bit from the quotient the CPU (and our kernels) compute.
+    """
+    return x / torch.full((), divisor, dtype=x.dtype, device=x.device)
 
 
 def fp32_scale(s: torch.Tensor) -> torch.Tensor:
@@ -197,7 +207,7 @@ class ScaledFormat(StateFormat):
 
     def _scale(self, x: torch.Tensor) -> torch.Tensor:
         """fp32-valued scales in ``x``'s dtype, shaped like :func:`amax_blocks`."""
-        s = fp32_scale(amax_blocks(x, self.granularity) / self.element.max_value)
+        s = fp32_scale(exact_div(amax_blocks(x, self.granularity), self.element.max_value))
         return torch.where(s == 0, torch.ones_like(s), s)
 
     def _expand(self, s: torch.Tensor, d_k: int) -> torch.Tensor:
