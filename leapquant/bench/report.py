@@ -4,17 +4,27 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["kernel_markdown", "plot_kernel"]
+__all__ = ["kernel_markdown", "kernel_summary_markdown", "plot_kernel"]
+
+
+def _ok(report: dict) -> list[dict]:
+    return [r for r in report["rows"] if "error" not in r]
+
+
+def _header(report: dict) -> list[str]:
+    prov = report["provenance"]
+    return [
+        f"Card: {prov.get('device')} (driver {prov.get('driver')}, CUDA {prov.get('cuda')}), "
+        f"torch {prov['torch']}, triton {prov['triton']}, fla {prov.get('fla')}; {prov['date_utc']}.",
+        f"Command: `{prov['command']}`; measured copy bandwidth {report['copy_gbps']:.0f} GB/s.",
+    ]
 
 
 def kernel_markdown(report: dict) -> str:
-    """A Markdown table of a ``bench kernel`` report, with its provenance."""
-    prov = report["provenance"]
+    """Every row of a ``bench kernel`` report as one Markdown table, with its provenance."""
     lines = [
-        f"Card: {prov.get('device')} (driver {prov.get('driver')}, CUDA {prov.get('cuda')}), "
-        f"torch {prov['torch']}, triton {prov['triton']}, fla {prov.get('fla')}; {prov['date_utc']}.",
-        f"Command: `{prov['command']}`; measured copy bandwidth {report['copy_gbps']:.0f} GB/s; "
-        f"launch {report['launch']}.",
+        *_header(report),
+        f"Launch shapes: {report['launch']}.",
         "",
         "| family | N | variant | time (us) | state + io MB | GB/s | % of copy BW | speedup vs FLA fp32 |",
         "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |",
@@ -34,6 +44,72 @@ def kernel_markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def kernel_summary_markdown(report: dict, n: int = 512) -> str:
+    """The tables of BENCHMARKS.md: variants at batch ``n``, speedup against batch size, the sweep."""
+    rows = _ok(report)
+    families = sorted({r["family"] for r in rows})
+    out = [*_header(report), ""]
+    out += [
+        f"**All variants at N={n}** (time per decode step of one layer, HV=32, K=V=128; floor = the byte "
+        "model at the measured copy bandwidth)",
+        "",
+        "| variant | "
+        + " | ".join(f"{f.upper()} us | {f.upper()} floor us | {f.upper()} vs FLA" for f in families)
+        + " |",
+        "| --- | " + " | ".join("---: | ---: | ---:" for _ in families) + " |",
+    ]
+    main = [r for r in rows if r["n"] == n and r.get("table", "main") == "main"]
+    variants = list(dict.fromkeys(r["variant"] for r in main))
+    for v in variants:
+        cells = []
+        for f in families:
+            r = next((x for x in main if x["family"] == f and x["variant"] == v), None)
+            if r is None:
+                cells.append(" | | ")
+                continue
+            floor = (r["state_bytes"] + r["io_bytes"]) / (report["copy_gbps"] * 1e9) * 1e6
+            cells.append(f"{r['ms'] * 1e3:.0f} | {floor:.0f} | {r.get('speedup_vs_fla_fp32') or 0:.2f}x")
+        out.append(f"| `{v}` | " + " | ".join(cells) + " |")
+    sizes = sorted({r["n"] for r in rows if r.get("table", "main") == "main"})
+    for f in families:
+        out += ["", f"**{f.upper()}: speedup over FLA fp32 against batch size**", ""]
+        out.append("| variant | " + " | ".join(f"N={s}" for s in sizes) + " |")
+        out.append("| --- | " + " | ".join("---:" for _ in sizes) + " |")
+        for v in variants:
+            cells = []
+            for s in sizes:
+                r = next(
+                    (x for x in rows if x["family"] == f and x["variant"] == v and x["n"] == s
+                     and x.get("table", "main") == "main"),
+                    None,
+                )  # fmt: skip
+                cells.append(f"{r['speedup_vs_fla_fp32']:.2f}x" if r and r.get("speedup_vs_fla_fp32") else "")
+            out.append(f"| `{v}` | " + " | ".join(cells) + " |")
+    sweep = [r for r in rows if r.get("table") == "sweep"]
+    if sweep:
+        out += ["", "**Window / rank sweep (paper Table 3)**", ""]
+        out.append(
+            "| variant | " + " | ".join(f"{f.upper()} us | {f.upper()} vs FLA" for f in families) + " |"
+        )
+        out.append("| --- | " + " | ".join("---: | ---:" for _ in families) + " |")
+        for v in dict.fromkeys(r["variant"] for r in sweep):
+            cells = []
+            for f in families:
+                r = next((x for x in sweep if x["family"] == f and x["variant"] == v), None)
+                cells.append(
+                    f"{r['ms'] * 1e3:.0f} | {r.get('speedup_vs_fla_fp32') or 0:.2f}x" if r else " | "
+                )
+            out.append(f"| `{v}` | " + " | ".join(cells) + " |")
+    tuning = [r for r in report.get("tuning", []) if "error" not in r]
+    if tuning:
+        out += ["", "**Launch-shape tuning** (`--tune`, first batch size)", ""]
+        out += ["| family | variant | launch | us |", "| --- | --- | --- | ---: |"]
+        for r in tuning:
+            shape = ", ".join(f"{k}={v}" for k, v in r["launch"].items())
+            out.append(f"| {r['family']} | `{r['variant']}` | {shape} | {r['ms'] * 1e3:.0f} |")
+    return "\n".join(out) + "\n"
+
+
 def plot_kernel(report: dict, path: str | Path) -> Path:
     """Speedup over FLA fp32 against batch size, one panel per family."""
     import matplotlib
@@ -41,7 +117,7 @@ def plot_kernel(report: dict, path: str | Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in report["rows"] if "error" not in r and r.get("speedup_vs_fla_fp32")]
+    rows = [r for r in _ok(report) if r.get("speedup_vs_fla_fp32") and r.get("table", "main") == "main"]
     families = sorted({r["family"] for r in rows})
     fig, axes = plt.subplots(1, max(1, len(families)), figsize=(6.0 * max(1, len(families)), 4.2), dpi=130)
     axes = [axes] if len(families) <= 1 else list(axes)
@@ -49,15 +125,18 @@ def plot_kernel(report: dict, path: str | Path) -> Path:
         variants = []
         for r in rows:
             v = r["variant"]
-            if r["family"] == family and v not in variants and not v.endswith(":step"):
+            if r["family"] == family and v not in variants:
                 variants.append(v)
         for v in variants:
-            pts = sorted(
-                (r["n"], r["speedup_vs_fla_fp32"])
-                for r in rows
-                if r["family"] == family and r["variant"] == v
+            mine = [r for r in rows if r["family"] == family and r["variant"] == v]
+            pts = sorted((r["n"], r["speedup_vs_fla_fp32"]) for r in mine)
+            ax.plot(
+                [p[0] for p in pts],
+                [p[1] for p in pts],
+                "o--" if v.endswith(":step") else "o-",
+                lw=1.5,
+                label=v,
             )
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", lw=1.5, label=v)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("batch size N (HV=32, K=V=128, one decode token)")
         ax.set_ylabel("speedup over FLA fp32 (same run)")

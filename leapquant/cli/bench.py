@@ -72,6 +72,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     k.add_argument("--markdown", metavar="OUT.md", help="write the table as Markdown")
     k.add_argument("--plot", metavar="OUT.png", help="plot speedup over FLA FP32 against batch size")
     k.set_defaults(run=run_kernel)
+    r = bsub.add_parser("report", help="Markdown tables (and optionally the plot) from a bench kernel JSON")
+    r.add_argument("json_path", metavar="KERNEL.json")
+    r.add_argument("--n", type=int, default=512, help="batch size of the per-variant table (default 512)")
+    r.add_argument("--plot", metavar="OUT.png", help="also redraw the speedup plot")
+    r.set_defaults(run=run_report)
 
 
 def _ints(text: str, what: str) -> list[int]:
@@ -219,3 +224,20 @@ def _tune(case, launch, measure, report, con):
         con.print(f"tune {case.family} close {shape}: {row.get('ms', float('nan')) * 1e3:.1f} us")
     con.print(f"tune {case.family}: chose {chosen}")
     return chosen
+
+
+def run_report(args: argparse.Namespace) -> int:
+    from ..bench.report import kernel_summary_markdown, plot_kernel
+
+    path = Path(args.json_path)
+    if not path.exists():
+        raise LeapQuantError(f"{path}: no such file")
+    try:
+        report = json.loads(path.read_text())
+        text = kernel_summary_markdown(report, args.n)
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise LeapQuantError(f"{path}: not a bench kernel report ({type(exc).__name__}: {exc})") from None
+    print(text, end="")
+    if args.plot:
+        plot_kernel(report, args.plot)
+    return 0

@@ -50,7 +50,12 @@ class LaunchConfig:
     close_programs_per_sm: int = 1
     step_stages: int = 2
     fast_cvt: bool = True
-    dot: str = "ieee"
+    dot: str = "tf32x3"
+
+    @classmethod
+    def tuned(cls, decay: str) -> LaunchConfig:
+        """The shapes ``bench kernel --tune`` picked on the H200 (BENCHMARKS.md) for GDN or KDA pools."""
+        return cls(step_bv=16, step_warps=2) if decay == "scalar" else cls()
 
     def __post_init__(self) -> None:
         for name in ("step_bv", "step_warps", "close_bv", "close_warps"):
@@ -242,7 +247,7 @@ def leapquant_decode(
             raise LeapQuantError(f"A_log has shape {tuple(A_log.shape)}, expected ({cfg.heads},)")
     qk_scale = cfg.d_k**-0.5 if scale is None else float(scale)
     if _use_triton(pool, backend):
-        launch = launch or LaunchConfig()
+        launch = launch or LaunchConfig.tuned(cfg.decay)
         pool.close_list()[1].zero_()
         out = _launch_step(
             pool, slots, q, k, v, g, beta, None, A_log, dt_bias, qk_scale,
@@ -286,7 +291,7 @@ def leapquant_step_records(
     if readout not in ("post", "pre"):
         raise LeapQuantError(f"readout must be 'post' or 'pre', got {readout!r}")
     if _use_triton(pool, backend):
-        launch = LaunchConfig()
+        launch = LaunchConfig.tuned(cfg.decay)
         pool.close_list()[1].zero_()
         out = _launch_step(
             pool,

@@ -430,19 +430,20 @@ def _compress(
         b_ck16 = b_qk.to(tl.float16)
         tl.store(comp_k + (i_s * R + o_r[:, None]) * K + o_k[None, :], b_ck16, mask=mask_r[:, None])
         b_ck = b_ck16.to(tl.float32)
-    b_csum = tl.zeros([K], dtype=tl.float32)
-    for v0 in tl.range(0, V, BV):
-        o_v = v0 + o_b
-        b_rows = tl.load(work + o_v[:, None] * K + o_k[None, :])
-        if R > 0:
-            b_cu16 = tl.dot(b_qk, tl.trans(b_rows), input_precision=DOT).to(tl.float16)  # [BR, BV]
-            tl.store(comp_u + (i_s * R + o_r[:, None]) * V + o_v[None, :], b_cu16, mask=mask_r[:, None])
-            b_rows -= tl.dot(tl.trans(tl.where(mask_r[:, None], b_cu16.to(tl.float32), 0.0)), b_ck,
-                             input_precision=DOT)  # fmt: skip
-        b_csum += tl.sum(tl.abs(b_rows), 0)
-    if SMOOTH:  # c_k = sqrt(mean_v |R_vk|), stored fp32
-        b_c = tl.maximum(tl.sqrt(b_csum / V), smooth_floor)
-        tl.store(smooth + i_s * K + o_k, b_c)
+    if R > 0 or SMOOTH:  # without tokens or smoothing there is nothing to learn before quantizing
+        b_csum = tl.zeros([K], dtype=tl.float32)
+        for v0 in tl.range(0, V, BV):
+            o_v = v0 + o_b
+            b_rows = tl.load(work + o_v[:, None] * K + o_k[None, :])
+            if R > 0:
+                b_cu16 = tl.dot(b_qk, tl.trans(b_rows), input_precision=DOT).to(tl.float16)  # [BR, BV]
+                tl.store(comp_u + (i_s * R + o_r[:, None]) * V + o_v[None, :], b_cu16, mask=mask_r[:, None])
+                b_rows -= tl.dot(tl.trans(tl.where(mask_r[:, None], b_cu16.to(tl.float32), 0.0)), b_ck,
+                                 input_precision=DOT)  # fmt: skip
+            b_csum += tl.sum(tl.abs(b_rows), 0)
+        if SMOOTH:  # c_k = sqrt(mean_v |R_vk|), stored fp32
+            b_c = tl.maximum(tl.sqrt(b_csum / V), smooth_floor)
+            tl.store(smooth + i_s * K + o_k, b_c)
     for v0 in tl.range(0, V, BV):
         o_v = v0 + o_b
         b_rows = tl.load(work + o_v[:, None] * K + o_k[None, :])
