@@ -90,6 +90,8 @@ def _ints(text: str, what: str) -> list[int]:
 
 
 def run_kernel(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
     import torch
 
     from ..bench.kernel import KernelCase, bench_variant
@@ -105,14 +107,14 @@ def run_kernel(args: argparse.Namespace) -> int:
     families = [f for f in args.family.split(",") if f]
     sizes = _ints(args.n, "--n")
     variants = args.variant or list(PRESETS[args.preset])
-    defaults = LaunchConfig()
-    launch = LaunchConfig(
-        step_bv=args.step_bv or defaults.step_bv,
-        step_warps=args.step_warps or defaults.step_warps,
-        close_bv=args.close_bv or defaults.close_bv,
-        close_warps=args.close_warps or defaults.close_warps,
-        close_programs_per_sm=args.close_programs or defaults.close_programs_per_sm,
-    )
+    overrides = {
+        "step_bv": args.step_bv,
+        "step_warps": args.step_warps,
+        "close_bv": args.close_bv,
+        "close_warps": args.close_warps,
+        "close_programs_per_sm": args.close_programs,
+    }
+    overrides = {k: v for k, v in overrides.items() if v is not None}
     copy_gbps = copy_bandwidth()
     con = console()
     con.print(f"measured device-to-device copy bandwidth: {copy_gbps:.0f} GB/s (read + write)")
@@ -147,6 +149,7 @@ def run_kernel(args: argparse.Namespace) -> int:
 
     for family in families:
         key_heads = args.gdn_key_heads if family == "gdn" else args.heads
+        launch = replace(LaunchConfig.tuned("scalar" if family == "gdn" else "vector"), **overrides)
         shape = launch
         if args.tune:
             case = KernelCase(family=family, n=sizes[0], heads=args.heads, key_heads=key_heads)
