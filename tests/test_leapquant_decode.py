@@ -253,3 +253,33 @@ def test_pool_sizes_match_the_paper():
     )
     with pytest.raises(LeapQuantError, match="no kernel"):
         PoolConfig.from_method("mxfp4/w16", heads=1)
+
+
+@pytest.mark.parametrize("family", ["gdn", "kda"])
+def test_gate_and_beta_activation_in_the_kernel(family):
+    """Raw gates with ``A_log``/``dt_bias`` and raw beta give what pre-activated inputs give."""
+    gen = torch.Generator(device=DEVICE).manual_seed(11)
+    hv, n = 2, 3
+    decay = "vector" if family == "kda" else "scalar"
+    cfg = PoolConfig(
+        heads=hv, d_k=K, d_v=V, window=4, compensators=2, residual="fp32", records="fp32", decay=decay
+    )
+    a_log = torch.randn(hv, generator=gen, device=DEVICE) * 0.5
+    dt_bias = torch.randn(hv * K if family == "kda" else hv, generator=gen, device=DEVICE)
+    slots = torch.tensor([2, 0, -1], dtype=torch.int32, device=DEVICE)
+    pools = [LeapQuantPool.allocate(cfg, 3, DEVICE) for _ in range(3)]
+    for _ in range(6):
+        q, k, v, _, _ = tokens(family, n, 1, hv, gen)
+        raw_g = torch.randn((n, hv, K) if family == "kda" else (n, hv), generator=gen, device=DEVICE)
+        raw_beta = torch.randn(n, hv, generator=gen, device=DEVICE)
+        from leapquant.ops.leapquant_decode.naive import activate_gate
+
+        g = activate_gate(raw_g, a_log, dt_bias)
+        outs = [
+            leapquant_decode(pools[0], slots, q, k, v, raw_g, raw_beta, A_log=a_log, dt_bias=dt_bias,
+                             beta_sigmoid=True, backend="triton"),
+            leapquant_decode(pools[1], slots, q, k, v, raw_g, raw_beta, A_log=a_log, dt_bias=dt_bias,
+                             beta_sigmoid=True, backend="reference"),
+            leapquant_decode(pools[2], slots, q, k, v, g, torch.sigmoid(raw_beta), backend="triton"),
+        ]  # fmt: skip
+        assert rel(outs[0], outs[1]) < 1e-4 and rel(outs[0], outs[2]) < 1e-4

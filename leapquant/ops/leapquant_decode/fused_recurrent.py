@@ -27,6 +27,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..common import bf16_grid, e4m3_grid, native_token, rint
+
 __all__ = [
     "MODE_LOAD",
     "MODE_MATERIALIZE",
@@ -46,31 +48,6 @@ RESIDUAL_CODES = {
     "fp8-e4m3": (3, 448.0),
     "int4": (4, 7.0),
 }
-
-
-@triton.jit
-def _rint(x):
-    """Round half to even for |x| < 2^22 (the fp32 add rounds; no libdevice needed, works interpreted)."""
-    return (x + 12582912.0) - 12582912.0
-
-
-@triton.jit
-def _bf16_grid(x):
-    """fp32 -> nearest-even bf16 value (still fp32): bit arithmetic, so the GPU and the interpreter (whose
-    bf16 cast truncates) agree; the cast that follows is then exact."""
-    bits = x.to(tl.uint32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _e4m3_grid(x):
-    """fp32 in [-448, 448] -> nearest-even E4M3 value (still fp32), subnormals included."""
-    bits = x.to(tl.uint32, bitcast=True)
-    exponent = ((bits >> 23) & 0xFF).to(tl.int32) - 127
-    exponent = tl.maximum(exponent, -6) - 3  # grid step 2^(e-3); subnormals share 2^-9
-    step = ((exponent + 127) << 23).to(tl.float32, bitcast=True)
-    return tl.minimum(tl.maximum(_rint(x / step) * step, -448.0), 448.0)
 
 
 @triton.jit
@@ -159,29 +136,10 @@ def step_kernel(
 
     # -- the token: general-form read vector b, write key kw, query q and log decay g -----------------
     if NATIVE:
-        b_q = tl.load(q + (i_n * H + i_h) * K + o_k).to(tl.float32)
-        b_k = tl.load(k + (i_n * H + i_h) * K + o_k).to(tl.float32)
-        if USE_QK_L2NORM:
-            b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6)
-            b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
-        b_q = b_q * qk_scale
-        if VECTOR_DECAY:
-            b_g = tl.load(g + i_nh * K + o_k).to(tl.float32)
-        else:
-            b_g = tl.load(g + i_nh).to(tl.float32)
-        if GATE_IN_KERNEL:
-            if HAS_DT_BIAS:
-                if VECTOR_DECAY:
-                    b_g = b_g + tl.load(dt_bias + i_hv * K + o_k).to(tl.float32)
-                else:
-                    b_g = b_g + tl.load(dt_bias + i_hv).to(tl.float32)
-            # softplus with PyTorch's threshold of 20, then the per-head rate
-            b_g = -tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * tl.where(
-                b_g > 20.0, b_g, tl.log(1.0 + tl.exp(b_g))
-            )
-        b_beta = tl.load(beta + i_nh).to(tl.float32)
-        if BETA_SIGMOID:
-            b_beta = tl.sigmoid(b_beta)
+        b_q, b_k, b_g, b_beta = native_token(
+            q, k, g, beta, A_log, dt_bias, i_n, i_h, i_nh, i_hv, qk_scale,
+            H, K, USE_QK_L2NORM, VECTOR_DECAY, GATE_IN_KERNEL, HAS_DT_BIAS, BETA_SIGMOID,
+        )  # fmt: skip
         b_kw = b_beta * b_k
         b_b = tl.exp(b_g) * b_k
     else:
@@ -457,7 +415,7 @@ def _compress(
             tl.store(payload + i_s * V * K + o_v[:, None] * K + o_k[None, :], b_rows)
         elif RESIDUAL == 1:
             tl.store(
-                payload + i_s * V * K + o_v[:, None] * K + o_k[None, :], _bf16_grid(b_rows).to(tl.bfloat16)
+                payload + i_s * V * K + o_v[:, None] * K + o_k[None, :], bf16_grid(b_rows).to(tl.bfloat16)
             )
         else:
             # qmax is a runtime value: a constant divisor gets folded into a reciprocal multiply, which
@@ -467,10 +425,10 @@ def _compress(
             tl.store(scale_v + i_s * V + o_v, b_scale)
             b_x = tl.math.div_rn(b_rows, b_scale[:, None])
             if RESIDUAL == 3:
-                b_x = _e4m3_grid(tl.minimum(tl.maximum(b_x, -qmax), qmax))
+                b_x = e4m3_grid(tl.minimum(tl.maximum(b_x, -qmax), qmax))
                 tl.store(payload + i_s * V * K + o_v[:, None] * K + o_k[None, :], b_x.to(tl.float8e4nv))
             else:
-                b_x = tl.minimum(tl.maximum(_rint(b_x), -qmax), qmax).to(tl.int32)
+                b_x = tl.minimum(tl.maximum(rint(b_x), -qmax), qmax).to(tl.int32)
                 if RESIDUAL == 2:
                     tl.store(payload + i_s * V * K + o_v[:, None] * K + o_k[None, :], b_x.to(tl.int8))
                 else:

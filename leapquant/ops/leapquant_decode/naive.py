@@ -25,14 +25,18 @@ _EPS = 1e-30
 
 
 def activate_gate(g: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None) -> torch.Tensor:
-    """Raw gate to log decay, as the kernels do it: ``-exp(A_log) * softplus(g + dt_bias)``.
+    """Raw gate to log decay as the kernels do it, through the models' own gate functions.
 
-    ``g`` is ``[N, HV]`` (GDN, ``dt_bias [HV]``) or ``[N, HV, K]`` (KDA, ``dt_bias [HV*K]``); ``A_log [HV]``.
+    ``g`` is ``[N, HV]`` (GDN: :func:`gdn_gates`, ``dt_bias [HV]``) or ``[N, HV, K]`` (KDA: :func:`kda_gates`,
+    ``dt_bias [HV*K]``); ``A_log [HV]``.
     """
-    if dt_bias is not None:
-        g = g + dt_bias.view(g.shape[1:]).to(g.dtype)
-    rate = A_log.to(g.dtype).exp()
-    return -(rate[:, None] if g.ndim == 3 else rate) * torch.nn.functional.softplus(g)
+    from ...recurrences import gdn_gates, kda_gates
+
+    unused_beta = g.new_zeros(g.shape[:2])
+    if g.ndim == 3:
+        return kda_gates(g, A_log, dt_bias, unused_beta)[0]
+    bias = torch.zeros_like(A_log) if dt_bias is None else dt_bias
+    return gdn_gates(g, unused_beta, A_log.to(g.dtype), bias.to(g.dtype))[0]
 
 
 def native_to_general(
@@ -48,11 +52,12 @@ def native_to_general(
     """GDN/KDA decode inputs (``q, k [N, H, K]``, ``v [N, HV, V]``, ``g [N, HV]`` or ``[N, HV, K]`` log
     decay, ``beta [N, HV]``) to ``(g, kw, b, v, q)``: write key ``beta k``, read vector ``exp(g) k``,
     query ``scale q``; q/k L2-normalised as FLA does (``x / sqrt(sum x^2 + 1e-6)``)."""
+    from ...recurrences import l2norm
+
     h, d_k = q.shape[1:]
     hv = v.shape[1]
     if use_qk_l2norm:
-        q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
-        k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+        q, k = l2norm(q), l2norm(k)
     q = q.repeat_interleave(hv // h, dim=1) * (d_k**-0.5 if scale is None else scale)
     k = k.repeat_interleave(hv // h, dim=1)
     decay = g.exp() if g.ndim == 3 else g.exp()[..., None]

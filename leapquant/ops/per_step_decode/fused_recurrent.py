@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..leapquant_decode.fused_recurrent import _bf16_grid, _rint
+from ..common import bf16_grid, native_token, rint
 
 __all__ = ["STATE_CODES", "per_step_kernel"]
 
@@ -69,32 +69,14 @@ def per_step_kernel(
     p_h = state + i_s * V * K + o_v[:, None] * K + o_k[None, :]
 
     b_v = tl.load(v + i_nh * V + o_v).to(tl.float32)
-    if VECTOR_DECAY:
-        b_g = tl.load(g + i_nh * K + o_k).to(tl.float32)
-    else:
-        b_g = tl.load(g + i_nh).to(tl.float32)
     b_h = tl.load(p_h).to(tl.float32)
     if STATE == 2:
         b_h = b_h * tl.load(scale_v + i_s * V + o_v)[:, None]
     if NATIVE:  # FLA's update: decay, then delta read with k, write beta * (v - S k) along k
-        b_q = tl.load(q + (i_n * H + i_h) * K + o_k).to(tl.float32)
-        b_k = tl.load(k + (i_n * H + i_h) * K + o_k).to(tl.float32)
-        if USE_QK_L2NORM:
-            b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6)
-            b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
-        b_q = b_q * qk_scale
-        if GATE_IN_KERNEL:
-            if HAS_DT_BIAS:
-                if VECTOR_DECAY:
-                    b_g = b_g + tl.load(dt_bias + i_hv * K + o_k).to(tl.float32)
-                else:
-                    b_g = b_g + tl.load(dt_bias + i_hv).to(tl.float32)
-            b_g = -tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * tl.where(
-                b_g > 20.0, b_g, tl.log(1.0 + tl.exp(b_g))
-            )
-        b_beta = tl.load(beta + i_nh).to(tl.float32)
-        if BETA_SIGMOID:
-            b_beta = tl.sigmoid(b_beta)
+        b_q, b_k, b_g, b_beta = native_token(
+            q, k, g, beta, A_log, dt_bias, i_n, i_h, i_nh, i_hv, qk_scale,
+            H, K, USE_QK_L2NORM, VECTOR_DECAY, GATE_IN_KERNEL, HAS_DT_BIAS, BETA_SIGMOID,
+        )  # fmt: skip
         if VECTOR_DECAY:
             b_h = b_h * tl.exp(b_g)[None, :]
         else:
@@ -103,6 +85,10 @@ def per_step_kernel(
         b_h += b_u[:, None] * b_k[None, :]
         tl.store(p_o, tl.sum(b_h * b_q[None, :], 1).to(p_o.dtype.element_ty))
     else:  # general records (paper eq. 1): read S_{t-1} with b, decay, write kw along u
+        if VECTOR_DECAY:
+            b_g = tl.load(g + i_nh * K + o_k).to(tl.float32)
+        else:
+            b_g = tl.load(g + i_nh).to(tl.float32)
         b_q = tl.load(q + i_nh * K + o_k).to(tl.float32)
         b_kw = tl.load(k + i_nh * K + o_k).to(tl.float32)
         b_b = tl.load(b_read + i_nh * K + o_k).to(tl.float32)
@@ -120,12 +106,12 @@ def per_step_kernel(
     if STATE == 0:
         tl.store(p_h, b_h)
     elif STATE == 1:
-        tl.store(p_h, _bf16_grid(b_h).to(tl.bfloat16))
+        tl.store(p_h, bf16_grid(b_h).to(tl.bfloat16))
     else:
         b_scale = tl.math.div_rn(tl.max(tl.abs(b_h), 1), 127.0)
         b_scale = tl.where(b_scale == 0.0, 1.0, b_scale)
         tl.store(scale_v + i_s * V + o_v, b_scale)
         # one division per row, then multiplies: the baseline should not pay an IEEE division per element
         b_inv = 1.0 / b_scale
-        b_x = tl.minimum(tl.maximum(_rint(b_h * b_inv[:, None]), -127.0), 127.0)
+        b_x = tl.minimum(tl.maximum(rint(b_h * b_inv[:, None]), -127.0), 127.0)
         tl.store(p_h, b_x.to(tl.int32).to(tl.int8))

@@ -32,10 +32,11 @@ def store_ref(pool, slots: torch.Tensor, states: torch.Tensor) -> None:
 
 def step_ref(pool, slots, q, k, v, g, beta, qk_scale: float, use_qk_l2norm: bool) -> torch.Tensor:
     """FLA's GDN/KDA step on dequantized states, then re-quantization; returns ``o [N, HV, V]``."""
+    from ...recurrences import l2norm
+
     heads = v.shape[1]
     if use_qk_l2norm:
-        q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
-        k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+        q, k = l2norm(q), l2norm(k)
     q = q.repeat_interleave(heads // q.shape[1], dim=1) * qk_scale
     k = k.repeat_interleave(heads // k.shape[1], dim=1)
     out = torch.zeros_like(v)

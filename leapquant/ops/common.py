@@ -1,0 +1,71 @@
+"""Triton helpers shared by the decode kernels: exact rounding and the model-native token preamble."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["bf16_grid", "e4m3_grid", "native_token", "rint"]
+
+
+@triton.jit
+def rint(x):
+    """Round half to even for |x| < 2^22 (the fp32 add rounds; no libdevice needed, works interpreted)."""
+    return (x + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def bf16_grid(x):
+    """fp32 -> nearest-even bf16 value (still fp32): bit arithmetic, so the GPU and the interpreter (whose
+    bf16 cast truncates) agree; the cast that follows is then exact."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e4m3_grid(x):
+    """fp32 in [-448, 448] -> nearest-even E4M3 value (still fp32), subnormals included."""
+    bits = x.to(tl.uint32, bitcast=True)
+    exponent = ((bits >> 23) & 0xFF).to(tl.int32) - 127
+    exponent = tl.maximum(exponent, -6) - 3  # grid step 2^(e-3); subnormals share 2^-9
+    step = ((exponent + 127) << 23).to(tl.float32, bitcast=True)
+    return tl.minimum(tl.maximum(rint(x / step) * step, -448.0), 448.0)
+
+
+@triton.jit
+def native_token(
+    q, k, g, beta, A_log, dt_bias, i_n, i_h, i_nh, i_hv, qk_scale,
+    H: tl.constexpr, K: tl.constexpr, USE_QK_L2NORM: tl.constexpr, VECTOR_DECAY: tl.constexpr,
+    GATE_IN_KERNEL: tl.constexpr, HAS_DT_BIAS: tl.constexpr, BETA_SIGMOID: tl.constexpr,
+):  # fmt: skip
+    """GDN/KDA inputs of one token as FLA's fused_recurrent kernels take them.
+
+    Returns ``(q * scale, k, g, beta)`` in fp32: q/k L2-normalised as FLA (``x / sqrt(sum x^2 + 1e-6)``),
+    ``g`` the log decay (``[K]`` for KDA, a scalar for GDN), activated in the kernel when ``A_log`` is given
+    (``-exp(A_log) * softplus(g + dt_bias)``, softplus with PyTorch's threshold of 20).
+    """
+    o_k = tl.arange(0, K)
+    b_q = tl.load(q + (i_n * H + i_h) * K + o_k).to(tl.float32)
+    b_k = tl.load(k + (i_n * H + i_h) * K + o_k).to(tl.float32)
+    if USE_QK_L2NORM:
+        b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6)
+        b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
+    b_q = b_q * qk_scale
+    if VECTOR_DECAY:
+        b_g = tl.load(g + i_nh * K + o_k).to(tl.float32)
+    else:
+        b_g = tl.load(g + i_nh).to(tl.float32)
+    if GATE_IN_KERNEL:
+        if HAS_DT_BIAS:
+            if VECTOR_DECAY:
+                b_g = b_g + tl.load(dt_bias + i_hv * K + o_k).to(tl.float32)
+            else:
+                b_g = b_g + tl.load(dt_bias + i_hv).to(tl.float32)
+        b_g = -tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * tl.where(
+            b_g > 20.0, b_g, tl.log(1.0 + tl.exp(b_g))
+        )
+    b_beta = tl.load(beta + i_nh).to(tl.float32)
+    if BETA_SIGMOID:
+        b_beta = tl.sigmoid(b_beta)
+    return b_q, b_k, b_g, b_beta
