@@ -1,0 +1,72 @@
+"""Compile the decode kernels for sm_90 on a machine without a GPU and print registers, spills and shared
+memory (from the ptxas/cuobjdump that ship with Triton). Catches compile errors and register pressure before
+spending device time.
+
+    python scripts/kernel_resources.py
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton's GPU default; silences a 3.9 warning
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from leapquant.ops.leapquant_decode import fused_recurrent as lq
+
+TARGET = GPUTarget("cuda", 90, 32)
+PAYLOAD = {0: "*fp32", 1: "*bf16", 2: "*i8", 3: "*fp8e4nv", 4: "*u8"}
+
+
+def resources(kernel, pointers: dict, scalars: dict, consts: dict, warps: int) -> str:
+    fn = kernel
+    while not isinstance(fn, triton.runtime.JITFunction):  # unwrap @triton.heuristics
+        fn = fn.fn
+    names = fn.arg_names
+    types = {n: pointers[n] for n in names if n in pointers}
+    types.update(scalars)
+    constexprs = {}
+    for name, value in consts.items():
+        types[name] = "constexpr"
+        constexprs[(names.index(name),)] = value
+    compiled = triton.compile(ASTSource(fn=fn, signature=types, constexprs=constexprs), target=TARGET,
+                              options={"num_warps": warps})  # fmt: skip
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(compiled.asm["cubin"])
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+    out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    os.unlink(f.name)
+    reg, stack = re.search(r"REG:(\d+)", out).group(1), re.search(r"STACK:(\d+)", out).group(1)
+    return f"registers {reg}, stack (spills) {stack} B, shared {compiled.metadata.shared} B"
+
+
+def main() -> None:
+    common = dict(rec_g="*fp32", rec_k="*fp16", rec_u="*fp16", pos="*i32", scale_v="*fp32", smooth="*fp32",
+                  comp_k="*fp16", comp_u="*fp16", payload=PAYLOAD[2])  # fmt: skip
+    step_ptrs = dict(common, q="*bf16", k="*bf16", v="*bf16", g="*fp32", beta="*bf16", b_read="*i32",
+                     o="*bf16", slots="*i32", close_list="*i32", close_count="*i32")  # fmt: skip
+    for decay, (bv, warps) in (("scalar", (16, 2)), ("vector", (32, 4))):
+        consts = dict(H=16, HV=32, K=128, V=128, P=16, R=4, BV=bv, BP=16, BR=4, NATIVE=True,
+                      USE_QK_L2NORM=True, BETA_SIGMOID=False, RESIDUAL=2, SMOOTH=True, READ_PRE=False,
+                      ADVANCE=True, STAGES=2,
+                      FAST_CVT=True, VECTOR_DECAY=decay == "vector", HAS_DT_BIAS=False, GATE_IN_KERNEL=False,
+                      A_log=None, dt_bias=None)  # fmt: skip
+        print(f"step kernel, {decay} decay, BV={bv}, {warps} warps:",
+              resources(lq.step_kernel, step_ptrs, {"qk_scale": "fp32"}, consts, warps))  # fmt: skip
+    close_ptrs = dict(common, close_list="*i32", close_count="*i32", work="*fp32", uwork="*fp32")
+    for rank in (0, 4, 8):
+        consts = dict(K=128, V=128, P=16, R=rank, BV=32, BP=16, BR=16, ITERS=1, RESIDUAL=2, SMOOTH=True,
+                      VECTOR_DECAY=False, DOT="tf32x3")  # fmt: skip
+        scalars = {"smooth_floor": "fp32", "qmax": "fp32"}
+        usage = resources(lq.close_kernel, close_ptrs, scalars, consts, 8)
+        print(f"close kernel, r={rank}, BV=32, 8 warps: {usage}")
+
+
+if __name__ == "__main__":
+    main()
