@@ -18,6 +18,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from leapquant.ops.leapquant_decode import close_rows as cr
 from leapquant.ops.leapquant_decode import fused_recurrent as lq
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -66,6 +67,19 @@ def main() -> None:
         scalars = {"smooth_floor": "fp32", "qmax": "fp32"}
         usage = resources(lq.close_kernel, close_ptrs, scalars, consts, 8)
         print(f"close kernel, r={rank}, BV=32, 8 warps: {usage}")
+    rows_ptrs = dict(common, close_list="*i32", close_count="*i32", zpart="*fp32", qbuf="*fp32", ubuf="*fp16",
+                     cpart="*fp32")  # fmt: skip
+    shapes = dict(K=128, V=128, P=16, R=4, BV=64, BP=16, BR=16, RESIDUAL=2, SMOOTH=True, VECTOR_DECAY=False,
+                  DOT="tf32x3")  # fmt: skip
+    for name, kernel, scalars, consts in (
+        ("fit", cr.close_rows_fit, {}, shapes),
+        ("orth", cr.close_rows_orth, {}, dict(K=128, V=128, R=4, BV=64, BR=16)),
+        ("resid", cr.close_rows_resid, {}, shapes),
+        ("quant", cr.close_rows_quant, {"smooth_floor": "fp32", "qmax": "fp32"}, shapes),
+        ("commit", cr.close_rows_commit, {"smooth_floor": "fp32"}, dict(K=128, V=128, R=4, BV=64, BR=16,
+                                                                       SMOOTH=True)),
+    ):  # fmt: skip
+        print(f"rows close {name}, r=4, BV=64, 4 warps: {resources(kernel, rows_ptrs, scalars, consts, 4)}")
 
 
 if __name__ == "__main__":

@@ -54,6 +54,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     k.add_argument("--close-bv", type=int, default=None, help="launch: value rows per close chunk")
     k.add_argument("--close-warps", type=int, default=None, help="launch: warps per close program")
     k.add_argument("--close-programs", type=int, default=None, help="launch: close programs per SM")
+    k.add_argument("--close", choices=("persistent", "rows"), default=None, help="launch: window-close path")
     k.add_argument(
         "--tune",
         action="store_true",
@@ -113,6 +114,7 @@ def run_kernel(args: argparse.Namespace) -> int:
         "close_bv": args.close_bv,
         "close_warps": args.close_warps,
         "close_programs_per_sm": args.close_programs,
+        "close": args.close,
     }
     overrides = {k: v for k, v in overrides.items() if v is not None}
     copy_gbps = copy_bandwidth()
@@ -202,7 +204,11 @@ STEP_SHAPES = (
     (64, 8, 2, True),
     (32, 8, 2, True),
 )
-CLOSE_SHAPES = ((32, 8, 1, "ieee"), (32, 8, 1, "tf32x3"), (32, 8, 2, "ieee"))
+CLOSE_SHAPES = (
+    (32, 8, 1, "tf32x3", "persistent"),
+    (32, 8, 1, "ieee", "persistent"),
+    (32, 8, 1, "tf32x3", "rows"),
+)
 
 
 def _tune(case, launch, measure, report, con):
@@ -218,8 +224,10 @@ def _tune(case, launch, measure, report, con):
             best, best_ms = shape, row["ms"]
         con.print(f"tune {case.family} step {shape}: {row.get('ms', float('nan')) * 1e3:.1f} us")
     chosen, best_ms = best, float("inf")
-    for bv, warps, programs, dot in CLOSE_SHAPES:
-        shape = replace(best, close_bv=bv, close_warps=warps, close_programs_per_sm=programs, dot=dot)
+    for bv, warps, programs, dot, close in CLOSE_SHAPES:
+        shape = replace(
+            best, close_bv=bv, close_warps=warps, close_programs_per_sm=programs, dot=dot, close=close
+        )
         row = measure("leapquant-int8", case, shape)
         report["tuning"].append(row)
         if "error" not in row and row["ms"] < best_ms:
