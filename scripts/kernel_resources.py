@@ -69,17 +69,18 @@ def main() -> None:
         print(f"close kernel, r={rank}, BV=32, 8 warps: {usage}")
     rows_ptrs = dict(common, close_list="*i32", close_count="*i32", zpart="*fp32", qbuf="*fp32", ubuf="*fp16",
                      cpart="*fp32")  # fmt: skip
-    shapes = dict(K=128, V=128, P=16, R=4, BV=64, BP=16, BR=16, RESIDUAL=2, SMOOTH=True, VECTOR_DECAY=False,
+    shapes = dict(K=128, V=128, P=16, R=4, BV=16, BP=16, BR=16, RESIDUAL=2, SMOOTH=True, VECTOR_DECAY=False,
                   DOT="tf32x3")  # fmt: skip
     for name, kernel, scalars, consts in (
         ("fit", cr.close_rows_fit, {}, shapes),
-        ("orth", cr.close_rows_orth, {}, dict(K=128, V=128, R=4, BV=64, BR=16)),
+        ("orth", cr.close_rows_orth, {}, dict(K=128, V=128, R=4, BV=16, BR=16)),
         ("resid", cr.close_rows_resid, {}, shapes),
         ("quant", cr.close_rows_quant, {"smooth_floor": "fp32", "qmax": "fp32"}, shapes),
-        ("commit", cr.close_rows_commit, {"smooth_floor": "fp32"}, dict(K=128, V=128, R=4, BV=64, BR=16,
+        ("commit", cr.close_rows_commit, {"smooth_floor": "fp32"}, dict(K=128, V=128, R=4, BV=16, BR=16,
                                                                        SMOOTH=True)),
     ):  # fmt: skip
-        print(f"rows close {name}, r=4, BV=64, 4 warps: {resources(kernel, rows_ptrs, scalars, consts, 4)}")
+        usage = resources(kernel, rows_ptrs, scalars, consts, 4)
+        print(f"rows close {name}, r=4, BV=16 (the default), 4 warps: {usage}")
 
 
 if __name__ == "__main__":

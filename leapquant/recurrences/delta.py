@@ -125,6 +125,22 @@ def _prepare(
     return q, k, _resolve_scale(scale, K), dims
 
 
+def _decayed_delta_records(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, beta: torch.Tensor, scale: float
+) -> Records:
+    """Records of the gated delta rule with the decay applied before the read (GDN and KDA, as FLA):
+    write key ``beta k``, read vector ``a ⊙ k``, query ``scale q``; ``a`` is ``[B, HV, T, K]``."""
+    H, HV = q.shape[2], v.shape[2]
+    kt = _heads_first(k, HV // H)
+    return Records(
+        a=a,
+        k=beta.transpose(1, 2)[..., None] * kt,
+        b=a * kt,
+        v=_heads_first(v),
+        q=_heads_first(q, HV // H) * scale,
+    )
+
+
 # --- Gated DeltaNet (Yang et al. 2025): scalar decay per head -----------------------------------------------
 
 
@@ -147,19 +163,11 @@ def gated_deltanet_records(
     Returns:
         Records ``[B, HV, T, .]``.
     """
-    q, k, scale, (B, T, H, K, HV, _) = _prepare(
+    q, k, scale, (B, T, _, K, HV, _) = _prepare(
         "gated_deltanet_records", q, k, v, beta, scale, use_qk_l2norm_in_kernel
     )
     _check_shape("gated_deltanet_records", "g", g, (B, T, HV))
-    kt = _heads_first(k, HV // H)
-    a = _scalar_decay(g, K)
-    return Records(
-        a=a,
-        k=beta.transpose(1, 2)[..., None] * kt,
-        b=a * kt,
-        v=_heads_first(v),
-        q=_heads_first(q, HV // H) * scale,
-    )
+    return _decayed_delta_records(q, k, v, _scalar_decay(g, K), beta, scale)
 
 
 def naive_recurrent_gated_delta_rule(
@@ -219,17 +227,9 @@ def kda_records(
     Returns:
         Records ``[B, HV, T, .]``.
     """
-    q, k, scale, (B, T, H, K, HV, _) = _prepare("kda_records", q, k, v, beta, scale, use_qk_l2norm_in_kernel)
+    q, k, scale, (B, T, _, K, HV, _) = _prepare("kda_records", q, k, v, beta, scale, use_qk_l2norm_in_kernel)
     _check_shape("kda_records", "g", g, (B, T, HV, K))
-    kt = _heads_first(k, HV // H)
-    a = _heads_first(g).exp()
-    return Records(
-        a=a,
-        k=beta.transpose(1, 2)[..., None] * kt,
-        b=a * kt,
-        v=_heads_first(v),
-        q=_heads_first(q, HV // H) * scale,
-    )
+    return _decayed_delta_records(q, k, v, _heads_first(g).exp(), beta, scale)
 
 
 def naive_recurrent_kda(

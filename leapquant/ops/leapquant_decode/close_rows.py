@@ -25,8 +25,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..common import bf16_grid, e4m3_grid, rint
-from .fused_recurrent import _boundary_rows, _orthonormalize_rows, _start_basis, _usable
+from .fused_recurrent import _boundary_rows, _orthonormalize_rows, _start_basis, _store_rows, _usable
 
 __all__ = ["close_rows_commit", "close_rows_fit", "close_rows_orth", "close_rows_quant", "close_rows_resid"]
 
@@ -149,29 +148,7 @@ def close_rows_quant(
         if SMOOTH:
             b_c = tl.maximum(tl.sqrt(_column_sums(cpart, idx, K, NC) / V), smooth_floor)
             b_rows = tl.math.div_rn(b_rows, b_c[None, :])
-        if RESIDUAL == 0:
-            tl.store(payload + i_s * V * K + o_v[:, None] * K + o_k[None, :], b_rows)
-        elif RESIDUAL == 1:
-            tl.store(
-                payload + i_s * V * K + o_v[:, None] * K + o_k[None, :], bf16_grid(b_rows).to(tl.bfloat16)
-            )
-        else:
-            b_scale = tl.math.div_rn(tl.max(tl.abs(b_rows), 1), qmax)
-            b_scale = tl.where(b_scale == 0.0, 1.0, b_scale)
-            tl.store(scale_v + i_s * V + o_v, b_scale)
-            b_x = tl.math.div_rn(b_rows, b_scale[:, None])
-            if RESIDUAL == 3:
-                b_x = e4m3_grid(tl.minimum(tl.maximum(b_x, -qmax), qmax))
-                tl.store(payload + i_s * V * K + o_v[:, None] * K + o_k[None, :], b_x.to(tl.float8e4nv))
-            else:
-                b_x = tl.minimum(tl.maximum(rint(b_x), -qmax), qmax).to(tl.int32)
-                if RESIDUAL == 2:
-                    tl.store(payload + i_s * V * K + o_v[:, None] * K + o_k[None, :], b_x.to(tl.int8))
-                else:
-                    b_lo, b_hi = tl.split(tl.reshape(b_x, (BV, K // 2, 2)))
-                    b_byte = ((b_lo & 0xF) | ((b_hi & 0xF) << 4)).to(tl.uint8)
-                    o_k2 = tl.arange(0, K // 2)
-                    tl.store(payload + i_s * V * (K // 2) + o_v[:, None] * (K // 2) + o_k2[None, :], b_byte)
+        _store_rows(b_rows, payload, scale_v, i_s, o_v, qmax, K, V, BV, RESIDUAL)
 
 
 @triton.jit(do_not_specialize=["smooth_floor"])

@@ -369,6 +369,39 @@ def _start_basis(i_s, o_r, o_v, comp_u, b_usable, WARM: tl.constexpr, V: tl.cons
 
 
 @triton.jit
+def _store_rows(b_rows, payload, scale_v, i_s, o_v, qmax, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+                RESIDUAL: tl.constexpr):  # fmt: skip
+    """Quantize value rows ``o_v`` of a (smoothed) residual into the pool's payload and scales.
+
+    Per-value-channel symmetric scales reduce along the keys of each row.  ``qmax`` is a runtime value: a
+    constant divisor gets folded into a reciprocal multiply, which is not the correctly rounded quotient the
+    formats (and the tests) define.
+    """
+    o_k = tl.arange(0, K)
+    if RESIDUAL == 0:
+        tl.store(payload + i_s * V * K + o_v[:, None] * K + o_k[None, :], b_rows)
+    elif RESIDUAL == 1:
+        tl.store(payload + i_s * V * K + o_v[:, None] * K + o_k[None, :], bf16_grid(b_rows).to(tl.bfloat16))
+    else:
+        b_scale = tl.math.div_rn(tl.max(tl.abs(b_rows), 1), qmax)
+        b_scale = tl.where(b_scale == 0.0, 1.0, b_scale)
+        tl.store(scale_v + i_s * V + o_v, b_scale)
+        b_x = tl.math.div_rn(b_rows, b_scale[:, None])
+        if RESIDUAL == 3:
+            b_x = e4m3_grid(tl.minimum(tl.maximum(b_x, -qmax), qmax))
+            tl.store(payload + i_s * V * K + o_v[:, None] * K + o_k[None, :], b_x.to(tl.float8e4nv))
+        else:
+            b_x = tl.minimum(tl.maximum(rint(b_x), -qmax), qmax).to(tl.int32)
+            if RESIDUAL == 2:
+                tl.store(payload + i_s * V * K + o_v[:, None] * K + o_k[None, :], b_x.to(tl.int8))
+            else:
+                b_lo, b_hi = tl.split(tl.reshape(b_x, (BV, K // 2, 2)))
+                b_byte = ((b_lo & 0xF) | ((b_hi & 0xF) << 4)).to(tl.uint8)
+                o_k2 = tl.arange(0, K // 2)
+                tl.store(payload + i_s * V * (K // 2) + o_v[:, None] * (K // 2) + o_k2[None, :], b_byte)
+
+
+@triton.jit
 def _compress(
     i_s, work, b_qk, payload, scale_v, smooth, comp_k, comp_u, smooth_floor, qmax, K: tl.constexpr,
     V: tl.constexpr, R: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr, RESIDUAL: tl.constexpr,
@@ -411,31 +444,7 @@ def _compress(
                              input_precision=DOT)  # fmt: skip
         if SMOOTH:
             b_rows = tl.math.div_rn(b_rows, b_c[None, :])
-        if RESIDUAL == 0:
-            tl.store(payload + i_s * V * K + o_v[:, None] * K + o_k[None, :], b_rows)
-        elif RESIDUAL == 1:
-            tl.store(
-                payload + i_s * V * K + o_v[:, None] * K + o_k[None, :], bf16_grid(b_rows).to(tl.bfloat16)
-            )
-        else:
-            # qmax is a runtime value: a constant divisor gets folded into a reciprocal multiply, which
-            # is not the correctly rounded quotient the formats (and the tests) define
-            b_scale = tl.math.div_rn(tl.max(tl.abs(b_rows), 1), qmax)
-            b_scale = tl.where(b_scale == 0.0, 1.0, b_scale)
-            tl.store(scale_v + i_s * V + o_v, b_scale)
-            b_x = tl.math.div_rn(b_rows, b_scale[:, None])
-            if RESIDUAL == 3:
-                b_x = e4m3_grid(tl.minimum(tl.maximum(b_x, -qmax), qmax))
-                tl.store(payload + i_s * V * K + o_v[:, None] * K + o_k[None, :], b_x.to(tl.float8e4nv))
-            else:
-                b_x = tl.minimum(tl.maximum(rint(b_x), -qmax), qmax).to(tl.int32)
-                if RESIDUAL == 2:
-                    tl.store(payload + i_s * V * K + o_v[:, None] * K + o_k[None, :], b_x.to(tl.int8))
-                else:
-                    b_lo, b_hi = tl.split(tl.reshape(b_x, (BV, K // 2, 2)))
-                    b_byte = ((b_lo & 0xF) | ((b_hi & 0xF) << 4)).to(tl.uint8)
-                    o_k2 = tl.arange(0, K // 2)
-                    tl.store(payload + i_s * V * (K // 2) + o_v[:, None] * (K // 2) + o_k2[None, :], b_byte)
+        _store_rows(b_rows, payload, scale_v, i_s, o_v, qmax, K, V, BV, RESIDUAL)
 
 
 @triton.jit
