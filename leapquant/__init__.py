@@ -24,6 +24,8 @@ _LAZY = {
     "load_trace": "leapquant.traces",
     "save_trace": "leapquant.traces",
     "simulate": "leapquant.eval",
+    "patch": "leapquant.integrations",
+    "unpatch": "leapquant.integrations",
 }
 
 __all__ = ["LeapQuantError", "__version__", *_LAZY]

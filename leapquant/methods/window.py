@@ -110,6 +110,14 @@ class WindowedState:
         self.residual = self.codec.fake_quantize(residual, generator=self.generator)
         self.quantizations += 1
 
+    def take(self, heads: torch.Tensor) -> None:
+        """Keep the heads ``heads`` (a 1-D index, repeats allowed) in that order: generate()'s row reordering."""
+        for name in ("rec_a", "rec_k", "rec_u", "comp_k", "comp_u", "residual", "smooth"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, value[heads])
+        self.batch = heads.numel()
+
     # -- reads --------------------------------------------------------------------------------------
     def _decays(self) -> torch.Tensor:
         """``[batch, count + 1, d_k]``: entry 0 is Gamma_{1:l}, entry j is Gamma_{j+1:l} (j = 1..l)."""

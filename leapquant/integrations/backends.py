@@ -1,0 +1,185 @@
+"""Where one layer's recurrent state lives during decoding: one object per (layer, group of batch rows).
+
+Every backend takes the model-native decode inputs that transformers hands its recurrent kernel
+(``q, k [B, HV, K]`` already repeated to the value heads, ``v [B, HV, V]``, log decay ``g [B, HV]`` (GDN)
+or ``[B, HV, K]`` (KDA), ``beta [B, HV]`` after its sigmoid) and returns ``o [B, HV, V]``:
+
+* :class:`NativeState` keeps the dense fp32 state and calls the model's own recurrent function: the
+  ``fp32`` method, bit-identical to the unpatched model by construction.
+* :class:`ReferenceState` keeps a :class:`~leapquant.methods.WindowedState` (any method name): the readable
+  reference, on any device.
+* :class:`KernelState` keeps a :class:`~leapquant.ops.pool.LeapQuantPool` or per-step pool and runs the
+  Triton kernels (CUDA, or the CPU interpreter when ``TRITON_INTERPRET=1``).
+
+All of them take the prefill's final state ``[B, HV, K, V]`` (K-first, as transformers keeps it) in
+:meth:`load`, give a dense fp32 copy back from :meth:`materialize` and follow generate()'s row reordering
+(beam search, contrastive search) in :meth:`select_rows`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..errors import LeapQuantError
+from ..methods import MethodConfig, WindowedState, parse_method
+
+__all__ = ["KernelState", "NativeState", "ReferenceState", "make_state"]
+
+_PER_STEP_KERNEL_FORMATS = ("fp32", "bf16", "int8")
+
+
+class NativeState:
+    """The model's own fp32 state and recurrent function (method ``fp32``)."""
+
+    def __init__(self, recurrent_fn: Callable) -> None:
+        self.recurrent_fn = recurrent_fn
+        self.state: torch.Tensor | None = None
+
+    def load(self, state: torch.Tensor) -> None:
+        self.state = state.float().clone()
+
+    def step(self, q, k, v, g, beta, use_qk_l2norm: bool = True) -> torch.Tensor:
+        out, self.state = self.recurrent_fn(
+            q[:, None], k[:, None], v[:, None], g=g[:, None], beta=beta[:, None],
+            initial_state=self.state, output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm,
+        )  # fmt: skip
+        return out[:, 0].float()
+
+    def materialize(self) -> torch.Tensor:
+        return self.state.clone()
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self.state = self.state[rows]
+
+
+class ReferenceState:
+    """A :class:`WindowedState` over ``B * HV`` heads (``dtype`` float32 by default, float64 for checks)."""
+
+    def __init__(self, config: MethodConfig, *, dtype: torch.dtype = torch.float32) -> None:
+        self.config = config
+        self.dtype = dtype
+        self.window: WindowedState | None = None
+        self.shape: tuple[int, int, int, int] | None = None
+
+    def load(self, state: torch.Tensor) -> None:
+        b, hv, d_k, d_v = state.shape
+        self.shape = (b, hv, d_k, d_v)
+        self.window = WindowedState(self.config, b * hv, d_k, d_v, dtype=self.dtype, device=state.device)
+        self.window.load(state.reshape(b * hv, d_k, d_v))
+
+    def step(self, q, k, v, g, beta, use_qk_l2norm: bool = True) -> torch.Tensor:
+        from ..ops.leapquant_decode.naive import native_to_general
+
+        b, hv, d_k, d_v = self.shape
+        native = (x.to(self.dtype) for x in (q, k, v, g, beta))
+        _, kw, rv, v, q = native_to_general(*native, use_qk_l2norm=use_qk_l2norm)
+        decay = g.to(self.dtype).exp()
+        decay = decay[..., None].expand(b, hv, d_k) if decay.ndim == 2 else decay
+        flat = [x.reshape(b * hv, -1) for x in (decay, kw, rv, v, q)]
+        return self.window.step(*flat).reshape(b, hv, d_v).float()
+
+    def materialize(self) -> torch.Tensor:
+        return self.window.materialize().reshape(self.shape).float()
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        _, hv, d_k, d_v = self.shape
+        heads = (
+            rows.to(self.window.device)[:, None] * hv + torch.arange(hv, device=self.window.device)
+        ).flatten()
+        self.window.take(heads)
+        self.shape = (rows.numel(), hv, d_k, d_v)
+
+
+class KernelState:
+    """A Triton-kernel pool, one slot per batch row (LeapQuant pool, or per-step pool for bf16/int8)."""
+
+    def __init__(self, method: str, decay: str) -> None:
+        self.method = method
+        self.decay = decay
+        self.pool = None
+        self.slots: torch.Tensor | None = None
+
+    @staticmethod
+    def supports(method: str) -> bool:
+        from ..ops.pool import PoolConfig
+
+        if method in _PER_STEP_KERNEL_FORMATS:
+            return True
+        try:
+            PoolConfig.from_method(method, heads=1)
+        except LeapQuantError:
+            return False
+        return True
+
+    def load(self, state: torch.Tensor) -> None:
+        from ..ops.leapquant_decode import load_states
+        from ..ops.per_step_decode import PerStepPool
+        from ..ops.pool import LeapQuantPool, PoolConfig
+
+        b, hv, d_k, d_v = state.shape
+        self.slots = torch.arange(b, dtype=torch.int32, device=state.device)
+        if self.method in _PER_STEP_KERNEL_FORMATS:
+            self.pool = PerStepPool.allocate(self.method, b, hv, d_k, d_v, device=state.device)
+            self.pool.load(self.slots, state.float())
+        else:
+            cfg = PoolConfig.from_method(self.method, heads=hv, d_k=d_k, d_v=d_v, decay=self.decay)
+            self.pool = LeapQuantPool.allocate(cfg, b, device=state.device)
+            load_states(self.pool, self.slots, state.float())
+
+    def step(self, q, k, v, g, beta, use_qk_l2norm: bool = True) -> torch.Tensor:
+        from ..ops.leapquant_decode import leapquant_decode
+        from ..ops.per_step_decode import PerStepPool, per_step_decode
+
+        f32 = [x.float().contiguous() for x in (q, k, v, g, beta)]
+        if isinstance(self.pool, PerStepPool):
+            return per_step_decode(self.pool, self.slots, *f32, use_qk_l2norm=use_qk_l2norm)
+        return leapquant_decode(self.pool, self.slots, *f32, use_qk_l2norm=use_qk_l2norm, validate=False)
+
+    def materialize(self) -> torch.Tensor:
+        from ..ops.leapquant_decode import materialize_states
+        from ..ops.per_step_decode import PerStepPool
+
+        if isinstance(self.pool, PerStepPool):
+            return self.pool.materialize(self.slots)
+        return materialize_states(self.pool, self.slots)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        from ..ops.per_step_decode import PerStepPool
+
+        # Rows may repeat (beam search keeps a beam twice): copy slots, never alias them.
+        rows = rows.to(self.slots.device).long()
+        if isinstance(self.pool, PerStepPool):
+            self.pool.state = self.pool.state[rows].clone()
+            if self.pool.scale is not None:
+                self.pool.scale = self.pool.scale[rows].clone()
+        else:
+            for name, t in list(self.pool.tensors.items()):
+                self.pool.tensors[name] = t[rows].clone()
+            for key in [k for k in self.pool.__dict__ if k not in ("config", "tensors")]:
+                del self.pool.__dict__[key]  # workspaces are sized by the slot count
+        self.slots = torch.arange(rows.numel(), dtype=torch.int32, device=self.slots.device)
+
+
+def make_state(method: str, *, backend: str, device: torch.device, decay: str, recurrent_fn: Callable):
+    """The state object for ``method`` on ``device``.
+
+    ``backend``: ``"auto"`` (kernels on CUDA when the method has one, the reference otherwise),
+    ``"reference"``, ``"triton"`` (error if the method has no kernel) or ``"reference64"`` (float64).
+    """
+    config = parse_method(method)
+    if method == "fp32":
+        return NativeState(recurrent_fn)
+    if backend == "auto":
+        backend = "triton" if device.type == "cuda" and KernelState.supports(method) else "reference"
+    if backend == "triton":
+        if not KernelState.supports(method):
+            raise LeapQuantError(
+                f"backend 'triton': no kernel for method {method!r} (kernels run fp32/bf16/int8 per step "
+                "and CODEC/wP[+ctR][+smooth] with CODEC in int8, int4, fp8-e4m3, bf16, fp32)"
+            )
+        return KernelState(method, decay)
+    if backend in ("reference", "reference64"):
+        return ReferenceState(config, dtype=torch.float64 if backend == "reference64" else torch.float32)
+    raise LeapQuantError(f"unknown backend {backend!r}; expected auto, reference, reference64 or triton")

@@ -1,0 +1,298 @@
+"""LeapQuant state inside transformers' hybrid models: one call, ``generate()`` unchanged.
+
+``patch(model, method="leapquant-int8")`` reroutes the recurrent state of every linear-attention layer of a
+loaded model (Qwen3.5 dense and MoE, including the text path of ``Qwen3_5ForConditionalGeneration``,
+Qwen3-Next, Kimi-Linear) through a LeapQuant (or any other method's) state:
+
+* **Prefill** runs the model's own chunked kernel; its final fp32 state is quantized into the method's
+  state (the prefill hand-off).
+* **Every decode token** goes through the method's state (:mod:`leapquant.integrations.backends`): the
+  Triton kernels on CUDA when the method has one, the float reference otherwise. A multi-token call on an
+  existing state (chunked prefill, assisted decoding) steps through it token by token.
+* ``method="fp32"`` keeps the model's own state and recurrent function: identical to the unpatched model.
+
+Design (why it survives transformers' cache API changes): transformers' layers call module-level kernel
+functions (``torch_recurrent_gated_delta_rule`` and friends, FLA's when installed) with keyword arguments
+that match FLA's API. We wrap those module globals once with a dispatcher that passes through unless a
+patched layer is running (a context variable set by the patched layer's ``forward``), so unpatched models
+in the same process are untouched. The cache keeps, in place of each dense ``[B, HV, K, V]`` fp32 state,
+a ``[B, 1, 1, 1]`` tensor of row ids: the cache's own ``reorder_cache``/``batch_select_indices`` permute it,
+and the next step applies the same permutation to the quantized state. The quantized states themselves are
+held on the cache object (``cache._leapquant_states``), so every ``generate()`` call, which builds a new
+cache, starts fresh.
+
+``method`` may also be a sequence of names: the batch is split into that many equal groups of rows, group
+``i`` under method ``i`` (the evaluation harness runs FP32 and every method side by side this way).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import LeapQuantError
+from ..methods import parse_method
+from .backends import make_state
+
+__all__ = ["SUPPORTED_LAYERS", "LeapQuantPatch", "linear_attention_layers", "patch", "unpatch"]
+
+
+@dataclass(frozen=True)
+class _LayerKind:
+    chunk_fn: str
+    recurrent_fn: str
+    decay: str  # "scalar" (GDN) or "vector" (KDA)
+
+
+_GDN = _LayerKind("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "scalar")
+SUPPORTED_LAYERS: dict[str, _LayerKind] = {
+    "Qwen3_5GatedDeltaNet": _GDN,
+    "Qwen3_5MoeGatedDeltaNet": _GDN,
+    "Qwen3NextGatedDeltaNet": _GDN,
+    "KimiLinearDeltaAttention": _LayerKind(
+        "chunk_kimi_delta_attention", "recurrent_kimi_delta_attention", "vector"
+    ),
+}
+
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("leapquant_active_layer", default=None)
+_STATES_ATTR = "_leapquant_states"
+
+
+def linear_attention_layers(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
+    """``(layer_idx, module)`` of every supported linear-attention layer of ``model``, in order."""
+    found = []
+    for module in model.modules():
+        if type(module).__name__ in SUPPORTED_LAYERS:
+            found.append((int(module.layer_idx), module))
+    return found
+
+
+# -- the module-global dispatchers -------------------------------------------------------------------
+
+
+def _install_dispatchers(module: torch.nn.Module) -> None:
+    kind = SUPPORTED_LAYERS[type(module).__name__]
+    namespace = sys.modules[type(module).__module__].__dict__
+    for name, chunked in ((kind.chunk_fn, True), (kind.recurrent_fn, False)):
+        current = namespace.get(name)
+        if current is None:
+            raise LeapQuantError(
+                f"{type(module).__module__} has no {name}: this transformers version is not supported"
+            )
+        if not getattr(current, "_leapquant_dispatcher", False):
+            namespace[name] = _dispatcher(current, chunked)
+
+
+def _dispatcher(original: Callable, chunked: bool) -> Callable:
+    def dispatch(query, key, value, *args, **kwargs):
+        active = _ACTIVE.get()
+        if active is None or args:
+            return original(query, key, value, *args, **kwargs)
+        layer, cache = active
+        return layer.run(original, chunked, cache, query, key, value, **kwargs)
+
+    dispatch._leapquant_dispatcher = True
+    dispatch.__wrapped__ = original
+    dispatch.__name__ = getattr(original, "__name__", "dispatch")
+    return dispatch
+
+
+# -- per-layer state --------------------------------------------------------------------------------
+
+
+class _RowGroups:
+    """One layer's states for the rows of a batch: ``len(methods)`` equal groups of rows."""
+
+    def __init__(
+        self, patched: LeapQuantPatch, kind: _LayerKind, recurrent_fn: Callable, state: torch.Tensor
+    ):
+        b = state.shape[0]
+        groups = len(patched.methods)
+        if b % groups:
+            raise LeapQuantError(
+                f"a batch of {b} rows cannot be split evenly over {groups} methods "
+                f"({', '.join(patched.methods)})"
+            )
+        self.size = b // groups
+        self.states = []
+        for i, method in enumerate(patched.methods):
+            st = make_state(
+                method,
+                backend=patched.backend,
+                device=state.device,
+                decay=kind.decay,
+                recurrent_fn=recurrent_fn,
+            )
+            st.load(state[i * self.size : (i + 1) * self.size])
+            self.states.append(st)
+
+    def step(self, q, k, v, g, beta, use_qk_l2norm: bool) -> torch.Tensor:
+        outs = []
+        for i, st in enumerate(self.states):
+            rows = slice(i * self.size, (i + 1) * self.size)
+            outs.append(st.step(q[rows], k[rows], v[rows], g[rows], beta[rows], use_qk_l2norm))
+        return torch.cat(outs)
+
+    def materialize(self) -> torch.Tensor:
+        return torch.cat([st.materialize() for st in self.states])
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        groups = len(self.states)
+        if rows.numel() % groups:
+            raise LeapQuantError(f"generate() kept {rows.numel()} rows, not a multiple of {groups} methods")
+        size = rows.numel() // groups
+        for i, st in enumerate(self.states):
+            mine = rows[i * size : (i + 1) * size] - i * self.size
+            if groups > 1 and ((mine < 0) | (mine >= self.size)).any():
+                raise LeapQuantError("generate() moved rows between method groups; use one method per batch")
+            st.select_rows(mine)
+        self.size = size
+
+
+def _row_handle(batch: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(batch, dtype=torch.float32, device=device).view(batch, 1, 1, 1)
+
+
+class _PatchedLayer:
+    def __init__(self, patched: LeapQuantPatch, layer_idx: int, module: torch.nn.Module) -> None:
+        self.patched = patched
+        self.layer_idx = layer_idx
+        self.module = module
+        self.kind = SUPPORTED_LAYERS[type(module).__name__]
+        self.recorder: Callable | None = None
+        self.original_forward = module.forward
+        layer = self
+
+        def forward(*args, **kwargs):
+            cache = kwargs.get("cache_params", args[1] if len(args) > 1 else None)
+            token = _ACTIVE.set((layer, cache))
+            try:
+                return layer.original_forward(*args, **kwargs)
+            finally:
+                _ACTIVE.reset(token)
+
+        module.forward = forward
+
+    def restore(self) -> None:
+        self.module.forward = self.original_forward
+
+    def run(self, original, chunked, cache, query, key, value, *, g, beta, initial_state=None,
+            output_final_state=False, use_qk_l2norm_in_kernel=False, **kwargs):  # fmt: skip
+        if self.recorder is not None:
+            self.recorder(self.layer_idx, query, key, value, g, beta, use_qk_l2norm_in_kernel)
+        if cache is None:  # a forward without a cache keeps no state: nothing to quantize
+            return original(query, key, value, g=g, beta=beta, initial_state=initial_state,
+                            output_final_state=output_final_state,
+                            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs)  # fmt: skip
+        store = cache.__dict__.setdefault(_STATES_ATTR, {})
+        groups = store.get(self.layer_idx)
+        if initial_state is None or groups is None:
+            if not chunked:
+                raise LeapQuantError("a decode step reached a patched layer without a prefilled state")
+            out, final = original(query, key, value, g=g, beta=beta, initial_state=None,
+                                  output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                                  **kwargs)  # fmt: skip
+            recurrent = sys.modules[type(self.module).__module__].__dict__[self.kind.recurrent_fn].__wrapped__
+            store[self.layer_idx] = _RowGroups(self.patched, self.kind, recurrent, final.float())
+            return out, _row_handle(query.shape[0], query.device)
+        rows = initial_state.reshape(initial_state.shape[0], -1)[:, 0].round().long()
+        if rows.numel() != groups.size * len(groups.states) or not torch.equal(
+            rows, torch.arange(rows.numel(), device=rows.device)
+        ):
+            groups.select_rows(rows)
+        outs = [
+            groups.step(query[:, t], key[:, t], value[:, t], g[:, t], beta[:, t], use_qk_l2norm_in_kernel)
+            for t in range(query.shape[1])
+        ]
+        out = torch.stack(outs, dim=1).to(query.dtype)
+        return out, _row_handle(query.shape[0], query.device)
+
+
+class LeapQuantPatch:
+    """What :func:`patch` did to a model; :meth:`unpatch` undoes it.
+
+    Attributes:
+        methods: the method of each group of batch rows (one name unless a sequence was given).
+        backend: ``auto``, ``reference``, ``reference64`` or ``triton``.
+        layers: the patched layer indices.
+    """
+
+    def __init__(self, model: torch.nn.Module, methods: tuple[str, ...], backend: str) -> None:
+        self.model = model
+        self.methods = methods
+        self.backend = backend
+        self._layers = [_PatchedLayer(self, idx, mod) for idx, mod in linear_attention_layers(model)]
+        for layer in self._layers:
+            _install_dispatchers(layer.module)
+
+    @property
+    def layers(self) -> list[int]:
+        return [layer.layer_idx for layer in self._layers]
+
+    def states(self, cache) -> dict[int, torch.Tensor]:
+        """Dense fp32 states ``[B, HV, K, V]`` that each layer's quantized state in ``cache`` stands for."""
+        store = getattr(cache, _STATES_ATTR, None)
+        if not store:
+            raise LeapQuantError(
+                "this cache holds no LeapQuant state (run a prefill through the patched model)"
+            )
+        return {idx: groups.materialize() for idx, groups in sorted(store.items())}
+
+    def set_recorder(self, recorder: Callable | None) -> None:
+        """Call ``recorder(layer_idx, q, k, v, g, beta, use_qk_l2norm)`` on every kernel call (traces)."""
+        for layer in self._layers:
+            layer.recorder = recorder
+
+    def unpatch(self) -> None:
+        for layer in self._layers:
+            layer.restore()
+        self._layers = []
+        if getattr(self.model, "_leapquant_patch", None) is self:
+            del self.model._leapquant_patch
+
+
+def patch(
+    model: torch.nn.Module, method: str | Sequence[str] = "leapquant-int8", *, backend: str = "auto"
+) -> LeapQuantPatch:
+    """Route every linear-attention layer's decode state of ``model`` through ``method``.
+
+    Args:
+        model: a loaded transformers model with Gated DeltaNet or KDA layers (``Qwen3_5ForCausalLM``,
+            ``Qwen3_5ForConditionalGeneration``, ``Qwen3_5MoeForCausalLM``, ``Qwen3NextForCausalLM``,
+            ``KimiLinearForCausalLM``).
+        method: a method name (``leapquant methods`` lists them) or a sequence of names, one per equal group
+            of batch rows.
+        backend: ``"auto"`` (Triton kernels on CUDA where the method has one, else the reference),
+            ``"reference"`` (float32), ``"reference64"`` (float64) or ``"triton"``.
+
+    Returns:
+        A :class:`LeapQuantPatch`; call ``.unpatch()`` to restore the model. Patching a patched model
+        replaces the previous patch.
+    """
+    methods = (method,) if isinstance(method, str) else tuple(method)
+    if not methods:
+        raise LeapQuantError("patch: no method given")
+    for name in methods:
+        parse_method(name)  # unknown names fail here, before the model is touched
+    if backend not in ("auto", "reference", "reference64", "triton"):
+        raise LeapQuantError(f"unknown backend {backend!r}; expected auto, reference, reference64 or triton")
+    if not linear_attention_layers(model):
+        raise LeapQuantError(
+            f"{type(model).__name__} has no supported linear-attention layers "
+            f"(supported: {', '.join(SUPPORTED_LAYERS)})"
+        )
+    unpatch(model)
+    patched = LeapQuantPatch(model, methods, backend)
+    model._leapquant_patch = patched
+    return patched
+
+
+def unpatch(model: torch.nn.Module) -> None:
+    """Undo :func:`patch` (no-op on a model that is not patched)."""
+    previous = getattr(model, "_leapquant_patch", None)
+    if previous is not None:
+        previous.unpatch()

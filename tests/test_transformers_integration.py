@@ -1,0 +1,167 @@
+"""leapquant.patch on tiny random-weight Qwen3.5 / Qwen3.5-MoE / Qwen3-Next / Kimi-Linear models (CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from tiny_models import ARCHS, tiny_model
+
+import leapquant
+from leapquant import LeapQuantError
+from leapquant.integrations import linear_attention_layers
+
+
+def _teacher_forced(model, ids: torch.Tensor, prefill: int):
+    """Logits of every decode step after a ``prefill``-token prompt, and the cache."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    torch.set_grad_enabled(False)
+    out = model(ids[:, :prefill], past_key_values=cache, use_cache=True)
+    logits = [out.logits[:, -1]]
+    for t in range(prefill, ids.shape[1]):
+        out = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+        logits.append(out.logits[:, -1])
+    return torch.stack(logits, 1), cache
+
+
+def _dense_states(model, cache) -> dict[int, torch.Tensor]:
+    return {idx: cache.layers[idx].recurrent_states[0].float() for idx, _ in linear_attention_layers(model)}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fp32_is_the_unpatched_model(arch):
+    model = tiny_model(arch)
+    ids = torch.randint(3, 64, (2, 24), generator=torch.Generator().manual_seed(1))
+    ref_logits, _ = _teacher_forced(model, ids, 8)
+    ref_gen = model.generate(ids[:, :8], max_new_tokens=12, do_sample=False)
+    patched = leapquant.patch(model, "fp32")
+    logits, cache = _teacher_forced(model, ids, 8)
+    assert torch.equal(logits, ref_logits)
+    assert torch.equal(model.generate(ids[:, :8], max_new_tokens=12, do_sample=False), ref_gen)
+    assert set(patched.states(cache)) == {idx for idx, _ in linear_attention_layers(model)}
+    patched.unpatch()
+    assert torch.equal(_teacher_forced(model, ids, 8)[0], ref_logits)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_leapquant_state_tracks_fp32(arch):
+    """The decode path really goes through the quantized state: close to FP32, never identical."""
+    model = tiny_model(arch, d=32, decay_scale=0.05)
+    ids = torch.randint(3, 64, (2, 40), generator=torch.Generator().manual_seed(2))
+    ref_logits, ref_cache = _teacher_forced(model, ids, 8)
+    ref_states = _dense_states(model, ref_cache)
+    patched = leapquant.patch(model, "leapquant-int8", backend="reference64")
+    logits, cache = _teacher_forced(model, ids, 8)
+    states = patched.states(cache)
+    for idx, ref in ref_states.items():
+        err = ((states[idx] - ref).norm() / ref.norm()).item()
+        assert 0 < err < 2e-2, (idx, err)
+    rel = ((logits - ref_logits).norm() / ref_logits.norm()).item()
+    assert 0 < rel < 1e-2
+
+
+def test_per_step_int8_drifts_more_than_leapquant():
+    model = tiny_model("qwen3_5", d=32, decay_scale=0.02)
+    ids = torch.randint(3, 64, (1, 8 + 96), generator=torch.Generator().manual_seed(3))
+    _, ref_cache = _teacher_forced(model, ids, 8)
+    ref = _dense_states(model, ref_cache)
+    errs = {}
+    for method in ("int8", "leapquant-int8"):
+        patched = leapquant.patch(model, method, backend="reference64")
+        _, cache = _teacher_forced(model, ids, 8)
+        st = patched.states(cache)
+        errs[method] = (
+            sum((st[i] - ref[i]).norm() ** 2 for i in ref) ** 0.5
+            / sum(r.norm() ** 2 for r in ref.values()) ** 0.5
+        )
+    assert errs["int8"] > 3 * errs["leapquant-int8"], errs
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "kimi_linear"])
+def test_methods_side_by_side_rows(arch):
+    """A sequence of methods splits the batch: each group equals that method run alone."""
+    model = tiny_model(arch)
+    ids = torch.randint(3, 64, (1, 20), generator=torch.Generator().manual_seed(4))
+    ref_logits, _ = _teacher_forced(model, ids.repeat(2, 1), 6)
+    leapquant.patch(model, "int4/w4+ct2", backend="reference64")
+    alone, _ = _teacher_forced(model, ids.repeat(2, 1), 6)
+    leapquant.patch(model, ["fp32", "int4/w4+ct2"], backend="reference64")
+    both, _ = _teacher_forced(model, ids.repeat(2, 1), 6)
+    assert torch.equal(both[0], ref_logits[0])
+    assert torch.equal(both[1], alone[1])
+    assert (both[1] - both[0]).abs().max() > 1e-6  # the int4 rows really differ from fp32
+    leapquant.unpatch(model)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next", "kimi_linear"])
+def test_generate_sampling_padded_batches_and_beams(arch):
+    model = tiny_model(arch)
+    ids = torch.randint(3, 64, (3, 10), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding
+    leapquant.patch(model, "leapquant-int8", backend="reference")
+    torch.manual_seed(0)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=True, top_k=8)
+    assert out.shape == (3, 30)
+    leapquant.patch(model, "fp32")
+    beams = model.generate(ids, attention_mask=mask, max_new_tokens=8, num_beams=3, do_sample=False)
+    leapquant.unpatch(model)
+    assert torch.equal(
+        beams, model.generate(ids, attention_mask=mask, max_new_tokens=8, num_beams=3, do_sample=False)
+    )
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "kimi_linear"])
+def test_cache_reordering_moves_quantized_rows(arch):
+    """reorder_cache (beam search) permutes and duplicates the quantized rows like the dense ones."""
+    model = tiny_model(arch)
+    ids = torch.randint(3, 64, (3, 12), generator=torch.Generator().manual_seed(6))
+    order = torch.tensor([2, 0, 0])
+    leapquant.patch(model, "bf16/w4+ct2", backend="reference64")
+    from transformers import DynamicCache
+
+    def run(prompt, reorder):
+        cache = DynamicCache(config=model.config)
+        model(prompt[:, :9], past_key_values=cache, use_cache=True)
+        if reorder is not None:
+            cache.reorder_cache(reorder)
+        nxt = prompt[:, 9:10] if reorder is None else prompt[reorder, 9:10]
+        return model(nxt, past_key_values=cache, use_cache=True).logits[:, -1]
+
+    moved = run(ids, order)
+    fresh = run(ids[order], None)
+    leapquant.unpatch(model)
+    torch.testing.assert_close(moved, fresh, rtol=0, atol=1e-5)
+
+
+def test_triton_backend_matches_reference():
+    model = tiny_model("qwen3_5", d=16)
+    ids = torch.randint(3, 64, (2, 14), generator=torch.Generator().manual_seed(7))
+    leapquant.patch(model, "int8/w4+ct2+smooth", backend="reference")
+    ref, _ = _teacher_forced(model, ids, 6)
+    leapquant.patch(model, "int8/w4+ct2+smooth", backend="triton")
+    got, _ = _teacher_forced(model, ids, 6)
+    leapquant.unpatch(model)
+    torch.testing.assert_close(got, ref, rtol=1e-3, atol=1e-3)
+
+
+def test_bad_input():
+    import transformers as tf
+
+    model = tiny_model("qwen3_5")
+    with pytest.raises(LeapQuantError, match="unknown"):
+        leapquant.patch(model, "int9")
+    with pytest.raises(LeapQuantError, match="backend"):
+        leapquant.patch(model, "int8", backend="cuda-magic")
+    leapquant.patch(model, ["fp32", "int8"])
+    with pytest.raises(LeapQuantError, match="split evenly"):
+        model(torch.randint(3, 64, (3, 5)), use_cache=True)
+    leapquant.unpatch(model)
+    llama = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64,
+                                               num_hidden_layers=1, num_attention_heads=2))  # fmt: skip
+    with pytest.raises(LeapQuantError, match="no supported linear-attention layers"):
+        leapquant.patch(llama, "int8")

@@ -1,0 +1,64 @@
+"""Tiny random-weight hybrid models of every supported architecture (tests only)."""
+
+from __future__ import annotations
+
+import torch
+
+LAYERS = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
+
+
+def _quiet_ids() -> dict:
+    return dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def tiny_model(arch: str, *, seed: int = 0, d: int = 16, value_groups: int = 2, decay_scale: float = 1.0):
+    """A 4-layer (3 linear : 1 full attention) model with heads of ``d x d`` states, float32, eval mode.
+
+    ``decay_scale`` < 1 shrinks ``A_log``'s exp (longer memory) so quantization error can accumulate.
+    """
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                  num_attention_heads=2, num_key_value_heads=1, head_dim=16, layer_types=LAYERS,
+                  **_quiet_ids())  # fmt: skip
+    if arch in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
+        gdn = dict(linear_num_key_heads=1, linear_num_value_heads=value_groups, linear_key_head_dim=d,
+                   linear_value_head_dim=d, linear_conv_kernel_dim=4)  # fmt: skip
+        if arch == "qwen3_5":
+            model = tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(**common, **gdn))
+        elif arch == "qwen3_5_moe":
+            moe = dict(
+                num_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=32,
+                shared_expert_intermediate_size=32,
+            )
+            model = tf.Qwen3_5MoeForCausalLM(tf.Qwen3_5MoeTextConfig(**common, **gdn, **moe))
+        else:
+            moe = dict(
+                num_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=32,
+                shared_expert_intermediate_size=32,
+            )
+            model = tf.Qwen3NextForCausalLM(tf.Qwen3NextConfig(**common, **gdn, **moe))
+    elif arch == "kimi_linear":
+        cfg = tf.KimiLinearConfig(
+            vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=2,
+            num_key_value_heads=2, layer_types=LAYERS, mlp_layer_types=["dense"] * 4, linear_num_heads=2,
+            linear_head_dim=d, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+            num_experts=4, num_experts_per_token=2, moe_intermediate_size=32, **_quiet_ids(),
+        )  # fmt: skip
+        model = tf.KimiLinearForCausalLM(cfg)
+    else:
+        raise ValueError(arch)
+    if decay_scale != 1.0:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("A_log"):
+                    p.add_(torch.log(torch.tensor(decay_scale)))
+    return model.float().eval()
+
+
+ARCHS = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "kimi_linear")
