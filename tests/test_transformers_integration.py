@@ -161,7 +161,10 @@ def test_bad_input():
     with pytest.raises(LeapQuantError, match="split evenly"):
         model(torch.randint(3, 64, (3, 5)), use_cache=True)
     leapquant.unpatch(model)
-    llama = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64,
-                                               num_hidden_layers=1, num_attention_heads=2))  # fmt: skip
+    llama = tf.LlamaForCausalLM(
+        tf.LlamaConfig(
+            vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2
+        )
+    )
     with pytest.raises(LeapQuantError, match="no supported linear-attention layers"):
         leapquant.patch(llama, "int8")

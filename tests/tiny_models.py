@@ -19,12 +19,25 @@ def tiny_model(arch: str, *, seed: int = 0, d: int = 16, value_groups: int = 2, 
     import transformers as tf
 
     torch.manual_seed(seed)
-    common = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-                  num_attention_heads=2, num_key_value_heads=1, head_dim=16, layer_types=LAYERS,
-                  **_quiet_ids())  # fmt: skip
+    common = dict(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        layer_types=LAYERS,
+        **_quiet_ids(),
+    )
     if arch in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
-        gdn = dict(linear_num_key_heads=1, linear_num_value_heads=value_groups, linear_key_head_dim=d,
-                   linear_value_head_dim=d, linear_conv_kernel_dim=4)  # fmt: skip
+        gdn = dict(
+            linear_num_key_heads=1,
+            linear_num_value_heads=value_groups,
+            linear_key_head_dim=d,
+            linear_value_head_dim=d,
+            linear_conv_kernel_dim=4,
+        )
         if arch == "qwen3_5":
             model = tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(**common, **gdn))
         elif arch == "qwen3_5_moe":
@@ -45,11 +58,25 @@ def tiny_model(arch: str, *, seed: int = 0, d: int = 16, value_groups: int = 2, 
             model = tf.Qwen3NextForCausalLM(tf.Qwen3NextConfig(**common, **gdn, **moe))
     elif arch == "kimi_linear":
         cfg = tf.KimiLinearConfig(
-            vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=2,
-            num_key_value_heads=2, layer_types=LAYERS, mlp_layer_types=["dense"] * 4, linear_num_heads=2,
-            linear_head_dim=d, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
-            num_experts=4, num_experts_per_token=2, moe_intermediate_size=32, **_quiet_ids(),
-        )  # fmt: skip
+            vocab_size=64,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=4,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            layer_types=LAYERS,
+            mlp_layer_types=["dense"] * 4,
+            linear_num_heads=2,
+            linear_head_dim=d,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            num_experts=4,
+            num_experts_per_token=2,
+            moe_intermediate_size=32,
+            **_quiet_ids(),
+        )
         model = tf.KimiLinearForCausalLM(cfg)
     else:
         raise ValueError(arch)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["plot_state_error"]
+__all__ = ["plot_model_state_error", "plot_state_error"]
 
 # Errors above this are divergence, not drift: the axis stops here so the others stay readable.
 CLIP = 10.0
@@ -44,6 +44,49 @@ def plot_state_error(report: dict, path: str | Path, title: str | None = None) -
         title or "State error against the exact trajectory (dashed: per-step, solid: per-window)", fontsize=9
     )
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), ncol=1 if len(rows) <= 18 else 2)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def plot_model_state_error(report: dict, path: str | Path, title: str | None = None) -> Path:
+    """State error against decoded tokens for every linear-attention layer of a model evaluation
+    (``leapquant eval``): one panel per layer, one line per method (dashed: per-step)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layers = report["curves"]["layers"]
+    steps = report["curves"]["tokens"]
+    cols = min(3, max(1, len(layers)))
+    rows = -(-len(layers) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), dpi=120, squeeze=False)
+    colors = plt.get_cmap("tab20").colors + plt.get_cmap("tab20b").colors
+    names = list(report["methods"])
+    for ax, (layer, curves) in zip(axes.flat, layers.items()):
+        for name, errs in curves.items():
+            if name not in report["methods"]:
+                continue
+            style = "-" if report["methods"][name]["window"] > 1 else "--"
+            pts = [(s, min(e, CLIP)) for s, e in zip(steps, errs) if e > 0]
+            if pts:
+                ax.plot(*zip(*pts), style, lw=1.3, color=colors[names.index(name) % len(colors)], label=name)
+        ax.set_yscale("log")
+        ax.set_title(f"layer {layer}", fontsize=9)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.set_xlabel("decoded tokens", fontsize=8)
+    for ax in list(axes.flat)[len(layers) :]:
+        ax.axis("off")
+    axes[0][0].set_ylabel("||S - S_fp32|| / ||S_fp32||", fontsize=8)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(
+        handles, labels, fontsize=7, loc="upper center", ncol=min(6, len(labels)), bbox_to_anchor=(0.5, 1.0)
+    )
+    fig.suptitle(title or f"{report['architecture']}: state error per layer", fontsize=9, y=1.04)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

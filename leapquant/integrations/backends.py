@@ -42,9 +42,15 @@ class NativeState:
 
     def step(self, q, k, v, g, beta, use_qk_l2norm: bool = True) -> torch.Tensor:
         out, self.state = self.recurrent_fn(
-            q[:, None], k[:, None], v[:, None], g=g[:, None], beta=beta[:, None],
-            initial_state=self.state, output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm,
-        )  # fmt: skip
+            q[:, None],
+            k[:, None],
+            v[:, None],
+            g=g[:, None],
+            beta=beta[:, None],
+            initial_state=self.state,
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=use_qk_l2norm,
+        )
         return out[:, 0].float()
 
     def materialize(self) -> torch.Tensor:

@@ -185,17 +185,33 @@ class _PatchedLayer:
         if self.recorder is not None:
             self.recorder(self.layer_idx, query, key, value, g, beta, use_qk_l2norm_in_kernel)
         if cache is None:  # a forward without a cache keeps no state: nothing to quantize
-            return original(query, key, value, g=g, beta=beta, initial_state=initial_state,
-                            output_final_state=output_final_state,
-                            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs)  # fmt: skip
+            return original(
+                query,
+                key,
+                value,
+                g=g,
+                beta=beta,
+                initial_state=initial_state,
+                output_final_state=output_final_state,
+                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                **kwargs,
+            )
         store = cache.__dict__.setdefault(_STATES_ATTR, {})
         groups = store.get(self.layer_idx)
         if initial_state is None or groups is None:
             if not chunked:
                 raise LeapQuantError("a decode step reached a patched layer without a prefilled state")
-            out, final = original(query, key, value, g=g, beta=beta, initial_state=None,
-                                  output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                                  **kwargs)  # fmt: skip
+            out, final = original(
+                query,
+                key,
+                value,
+                g=g,
+                beta=beta,
+                initial_state=None,
+                output_final_state=True,
+                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                **kwargs,
+            )
             recurrent = sys.modules[type(self.module).__module__].__dict__[self.kind.recurrent_fn].__wrapped__
             store[self.layer_idx] = _RowGroups(self.patched, self.kind, recurrent, final.float())
             return out, _row_handle(query.shape[0], query.device)

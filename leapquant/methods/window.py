@@ -111,7 +111,7 @@ class WindowedState:
         self.quantizations += 1
 
     def take(self, heads: torch.Tensor) -> None:
-        """Keep the heads ``heads`` (a 1-D index, repeats allowed) in that order: generate()'s row reordering."""
+        """Keep ``heads`` (a 1-D index, repeats allowed) in that order: generate()'s row reordering."""
         for name in ("rec_a", "rec_k", "rec_u", "comp_k", "comp_u", "residual", "smooth"):
             value = getattr(self, name)
             if value is not None:

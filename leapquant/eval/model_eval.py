@@ -1,0 +1,328 @@
+"""Accuracy of a method on a real model: FP32 and every method decoded side by side, teacher-forced.
+
+The batch holds one row per method (row 0 is FP32, the model's own state), all fed the same held-out text
+token by token; :func:`leapquant.patch` gives each row its method's state. Per method we report
+
+* ``kl``: mean KL(FP32 || method) of the next-token distributions, nats per token;
+* ``top1_agreement``: fraction of steps whose arg-max token equals FP32's;
+* ``nll``: mean negative log-likelihood of the true next token, nats per token;
+* ``state_rel_err``: ``||S - S_fp32|| / ||S_fp32||`` over all linear-attention layers at the end, and the
+  same per layer against decoded tokens (the paper's Figure 3);
+* with ``generate``: free-running greedy decoding beside FP32, the fraction of equal tokens and the index
+  of the first divergence.
+
+The default text is source read from the running interpreter's standard library (never committed, never
+seen in training: the shipped checkpoints train on site-packages), chosen deterministically.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sysconfig
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import LeapQuantError
+
+__all__ = [
+    "DEFAULT_EVAL_METHODS",
+    "DEFAULT_MODEL",
+    "EvalConfig",
+    "evaluate_model",
+    "load_model",
+    "record_trace",
+    "stdlib_text",
+]
+
+DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "checkpoints" / "qwen35-hybrid-tiny"
+DEFAULT_EVAL_METHODS = ("bf16", "bf16/w16", "int8", "int8/w16", "int8/w16+ct4", "leapquant-int8")
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """What to evaluate.
+
+    Args:
+        methods: method names (FP32 always runs as the reference row).
+        tokens: teacher-forced decode steps scored.
+        prefill: prompt tokens run through the model's own chunked kernel before decoding.
+        curve_points: how many times the per-layer state error is sampled along the run.
+        generate: methods to also run free-running greedy against FP32, for ``generate_tokens`` tokens.
+        backend: ``auto`` / ``reference`` / ``reference64`` / ``triton`` (see :func:`leapquant.patch`).
+    """
+
+    methods: tuple[str, ...] = DEFAULT_EVAL_METHODS
+    tokens: int = 2048
+    prefill: int = 64
+    curve_points: int = 32
+    generate: tuple[str, ...] = ()
+    generate_tokens: int = 256
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        from ..methods import parse_method
+
+        if not self.methods:
+            raise LeapQuantError("eval: give at least one --method")
+        for m in (*self.methods, *self.generate):
+            parse_method(m)
+        for name in ("tokens", "prefill", "curve_points", "generate_tokens"):
+            if getattr(self, name) < 1:
+                raise LeapQuantError(f"eval: {name} must be >= 1, got {getattr(self, name)}")
+
+
+def stdlib_text(min_bytes: int) -> tuple[str, list[str]]:
+    """At least ``min_bytes`` of standard-library Python source (tests and site-packages excluded).
+
+    Files are ordered by the SHA-1 of their path relative to the stdlib root, so the choice is the same
+    on every machine with the same Python, and spread over the library rather than alphabetical.
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = [
+        p
+        for p in root.rglob("*.py")
+        if not (
+            {"site-packages", "dist-packages", "test", "tests", "idlelib"} & set(p.relative_to(root).parts)
+        )
+    ]
+    files.sort(key=lambda p: hashlib.sha1(str(p.relative_to(root)).encode()).hexdigest())
+    parts, used, size = [], [], 0
+    for p in files:
+        try:
+            text = p.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        parts.append(f"# file: {p.relative_to(root)}\n{text}\n")
+        used.append(str(p.relative_to(root)))
+        size += len(parts[-1].encode())
+        if size >= min_bytes:
+            return "".join(parts), used
+    raise LeapQuantError(f"the standard library at {root} holds fewer than {min_bytes} bytes of source")
+
+
+def load_model(path: str | Path, device: str = "auto"):
+    """``(model, tokenizer)`` from a local transformers folder, float32, eval mode, no network."""
+    import torch
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise LeapQuantError(f"no model at {path} (expected a transformers folder with config.json)")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return model.to(device).eval(), tokenizer
+
+
+def _encode(tokenizer, text: str, needed: int, source: str) -> list[int]:
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(ids) < needed:
+        raise LeapQuantError(f"{source} has {len(ids)} tokens, fewer than the {needed} requested")
+    return ids[:needed]
+
+
+def _rel(a, b) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def evaluate_model(
+    model,
+    tokenizer,
+    config: EvalConfig,
+    *,
+    text: str | None = None,
+    text_source: str = "stdlib",
+    on_step: Callable[[int], None] | None = None,
+) -> dict:
+    """Run the evaluation (see the module docstring); returns the report dict (JSON-ready)."""
+    import torch
+    from transformers import DynamicCache
+
+    from ..integrations import patch, unpatch
+    from ..methods import parse_method
+
+    needed = config.prefill + config.tokens + 1
+    files: list[str] = []
+    if text is None:
+        text, files = stdlib_text(needed * 4)
+    ids = torch.tensor(_encode(tokenizer, text, needed, text_source), device=model.device)
+    rows = ("fp32", *config.methods)
+    patched = patch(model, rows, backend=config.backend)
+    batch = ids[None].repeat(len(rows), 1)
+    kl = torch.zeros(len(rows), dtype=torch.float64)
+    nll = torch.zeros(len(rows), dtype=torch.float64)
+    agree = torch.zeros(len(rows), dtype=torch.float64)
+    marks = sorted(
+        {max(1, round(config.tokens * (i + 1) / config.curve_points)) for i in range(config.curve_points)}
+    )
+    curves: dict[int, list[list[float]]] = {}
+    try:
+        with torch.inference_mode():
+            cache = DynamicCache(config=model.config)
+            model(batch[:, : config.prefill], past_key_values=cache, use_cache=True)
+            for step in range(config.tokens):
+                t = config.prefill + step
+                logits = model(batch[:, t : t + 1], past_key_values=cache, use_cache=True).logits[:, -1]
+                logp = torch.log_softmax(logits.double(), dim=-1)
+                kl += (logp[0].exp() * (logp[0] - logp)).sum(-1).cpu()
+                nll -= logp[:, ids[t + 1]].cpu()
+                agree += (logp.argmax(-1) == logp[0].argmax()).double().cpu()
+                if step + 1 in marks:
+                    for layer, st in patched.states(cache).items():
+                        errs = [_rel(st[i], st[0]) for i in range(len(rows))]
+                        curves.setdefault(layer, []).append(errs)
+                if on_step is not None:
+                    on_step(1)
+            final = patched.states(cache)
+        generated = {
+            m: _greedy_against_fp32(model, ids[: config.prefill], m, config) for m in config.generate
+        }
+    finally:
+        unpatch(model)
+    n = config.tokens
+    methods = {}
+    for i, name in enumerate(rows):
+        if i == 0 and "fp32" not in config.methods:
+            continue
+        num = sum(float((st[i] - st[0]).norm() ** 2) for st in final.values())
+        den = sum(float(st[0].norm() ** 2) for st in final.values())
+        cfg = parse_method(name)
+        methods[name] = {
+            "kl": float(kl[i] / n),
+            "top1_agreement": float(agree[i] / n),
+            "nll": float(nll[i] / n),
+            "state_rel_err": (num / den) ** 0.5,
+            "state_rel_err_by_layer": {str(layer): curves[layer][-1][i] for layer in curves},
+            "bytes_per_element": cfg.bytes_per_element(128, 128),
+            "window": cfg.window,
+        }
+        if name in generated:
+            methods[name]["generate"] = generated[name]
+    return {
+        "model": getattr(model.config, "_name_or_path", "") or type(model).__name__,
+        "architecture": type(model).__name__,
+        "tokens": n,
+        "prefill": config.prefill,
+        "backend": config.backend,
+        "text": {"source": text_source, "files": files[:50], "tokens_used": needed},
+        "fp32": {"nll": float(nll[0] / n), "bits_per_token": float(nll[0] / n) / 0.6931471805599453},
+        "linear_attention_layers": patched.layers,
+        "methods": methods,
+        "curves": {
+            "tokens": marks,
+            "layers": {
+                str(layer): {name: [pt[i] for pt in pts] for i, name in enumerate(rows) if i}
+                for layer, pts in curves.items()
+            },
+        },
+    }
+
+
+def _greedy_against_fp32(model, prompt, method: str, config: EvalConfig) -> dict:
+    """Free-running greedy decoding of FP32 and ``method`` side by side from the same prompt."""
+    import torch
+    from transformers import DynamicCache
+
+    from ..integrations import patch
+
+    patch(model, ("fp32", method), backend=config.backend)
+    cache = DynamicCache(config=model.config)
+    logits = model(prompt[None].repeat(2, 1), past_key_values=cache, use_cache=True).logits[:, -1]
+    tokens = []
+    for _ in range(config.generate_tokens):
+        nxt = logits.argmax(-1)
+        tokens.append(nxt.cpu())
+        logits = model(nxt[:, None], past_key_values=cache, use_cache=True).logits[:, -1]
+    seq = torch.stack(tokens, 1)
+    same = (seq[0] == seq[1]).tolist()
+    first = same.index(False) if False in same else None
+    return {"tokens": config.generate_tokens, "agreement": sum(same) / len(same), "first_divergence": first}
+
+
+def record_trace(
+    model,
+    tokenizer,
+    tokens: int,
+    *,
+    text: str | None = None,
+    text_source: str = "stdlib",
+    layers: Sequence[int] | None = None,
+    heads: Sequence[int] | None = None,
+):
+    """General-form records (float32) of ``layers`` x ``heads`` over ``tokens`` tokens, and trace metadata.
+
+    The text runs once through the model's own chunked kernels (FP32 state); the records are those of the
+    exact trajectory, so ``leapquant simulate`` can replay them through any method on any machine.
+    """
+    import torch
+    from transformers import DynamicCache
+
+    from ..integrations import linear_attention_layers, patch, unpatch
+    from ..recurrences import Records
+    from ..recurrences.delta import gated_deltanet_records, kda_records
+
+    files: list[str] = []
+    if text is None:
+        text, files = stdlib_text(tokens * 4)
+    ids = torch.tensor(_encode(tokenizer, text, tokens, text_source), device=model.device)
+    available = [idx for idx, _ in linear_attention_layers(model)]
+    chosen = list(layers) if layers else available
+    for idx in chosen:
+        if idx not in available:
+            raise LeapQuantError(f"layer {idx} is not a linear-attention layer; those are {available}")
+    captured = {}
+
+    def recorder(layer_idx, q, k, v, g, beta, l2norm):
+        if layer_idx in chosen:
+            captured[layer_idx] = (*(x.detach().double().cpu() for x in (q, k, v, g, beta)), l2norm)
+
+    patched = patch(model, "fp32")
+    patched.set_recorder(recorder)
+    try:
+        with torch.inference_mode():
+            model(ids[None], past_key_values=DynamicCache(config=model.config), use_cache=True)
+    finally:
+        unpatch(model)
+    parts = []
+    family = None
+    for idx in chosen:
+        q, k, v, g, beta, l2norm = captured[idx]
+        family = "kda" if g.ndim == 4 else "gdn"
+        fn = kda_records if family == "kda" else gated_deltanet_records
+        rec = fn(q, k, v, g, beta, use_qk_l2norm_in_kernel=l2norm)
+        hv = rec.k.shape[1]
+        picked = list(heads) if heads else list(range(hv))
+        if any(h < 0 or h >= hv for h in picked):
+            raise LeapQuantError(f"--heads must be in [0, {hv}), got {picked}")
+        parts.append([getattr(rec, n)[0, picked].float() for n in ("a", "k", "b", "v", "q")])
+    records = Records(*(torch.cat([p[i] for p in parts]) for i in range(5)))
+    meta = {
+        "family": family,
+        "layers": chosen,
+        "heads": list(heads) if heads else "all",
+        "tokens": tokens,
+        "text": {"source": text_source, "files": files[:50]},
+        "streams": "layer-major: streams of layer layers[0] first, heads in order",
+    }
+    return records, meta
+
+
+def methods_table_rows(report: dict) -> Sequence[tuple[str, ...]]:
+    """Rows for printing: method, B/elem, KL, top-1, NLL, state error."""
+    return [
+        (
+            name,
+            f"{row['bytes_per_element']:.3f}",
+            f"{row['kl']:.3e}",
+            f"{row['top1_agreement']:.4f}",
+            f"{row['nll']:.4f}",
+            f"{row['state_rel_err']:.3e}",
+        )
+        for name, row in report["methods"].items()
+    ]

@@ -1,0 +1,168 @@
+"""`leapquant eval` and `leapquant trace` on a tiny random-weight byte-level model saved to disk."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from leapquant.cli.main import main
+from leapquant.eval.model_eval import EvalConfig, evaluate_model, load_model, stdlib_text
+from leapquant.traces import load_trace
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    import transformers as tf
+
+    torch.manual_seed(0)
+    tok = tf.ByT5Tokenizer()
+    cfg = tf.Qwen3_5TextConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        linear_num_key_heads=1,
+        linear_num_value_heads=2,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=1,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+    )
+    model = tf.Qwen3_5ForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.add_(-4.0)  # long memory, so the state carries history
+    path = tmp_path_factory.mktemp("tiny") / "model"
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def test_stdlib_text_is_deterministic():
+    a, files_a = stdlib_text(50_000)
+    b, files_b = stdlib_text(50_000)
+    assert a == b and files_a == files_b and len(a.encode()) >= 50_000
+    assert not any("site-packages" in f or f.startswith("test") for f in files_a)
+
+
+def test_eval_report(tiny_dir):
+    model, tok = load_model(tiny_dir, "cpu")
+    cfg = EvalConfig(
+        methods=("fp32", "int4", "leapquant-int8"),
+        tokens=48,
+        prefill=8,
+        curve_points=4,
+        generate=("int4",),
+        generate_tokens=8,
+        backend="reference",
+    )
+    rep = evaluate_model(model, tok, cfg)
+    assert set(rep["methods"]) == {"fp32", "int4", "leapquant-int8"}
+    fp32, int4, lq = (rep["methods"][m] for m in ("fp32", "int4", "leapquant-int8"))
+    assert fp32["kl"] == 0 and fp32["top1_agreement"] == 1 and fp32["state_rel_err"] == 0
+    assert fp32["nll"] == pytest.approx(rep["fp32"]["nll"])
+    assert int4["state_rel_err"] > lq["state_rel_err"] > 0
+    assert int4["kl"] > 0 and 0 <= int4["top1_agreement"] <= 1
+    assert rep["curves"]["tokens"] == [12, 24, 36, 48]
+    assert set(rep["curves"]["layers"]) == {"0", "1", "2"}
+    assert all(len(c) == 4 for c in rep["curves"]["layers"]["0"].values())
+    g = int4["generate"]
+    assert g["tokens"] == 8 and 0 <= g["agreement"] <= 1
+    # NLL computed independently from one full forward of the unpatched model
+    ids = torch.tensor(tok(stdlib_text(4 * 57)[0], add_special_tokens=False)["input_ids"][:57])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids[None]).logits[0].double(), -1)
+    nll = -logp[torch.arange(8, 56), ids[9:57]].mean()
+    assert rep["fp32"]["nll"] == pytest.approx(float(nll), rel=1e-5)
+
+
+def test_eval_cli(tiny_dir, tmp_path, capsys):
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    rc = main(
+        [
+            "eval",
+            "--model",
+            str(tiny_dir),
+            "-m",
+            "int8",
+            "-m",
+            "leapquant-int8",
+            "--tokens",
+            "24",
+            "--prefill",
+            "8",
+            "--json",
+            str(out),
+            "--plot",
+            str(png),
+            "--quiet",
+            "--device",
+            "cpu",
+        ]
+    )
+    assert rc == 0
+    rep = json.loads(out.read_text())
+    for m in ("int8", "leapquant-int8"):
+        assert {"kl", "top1_agreement", "nll", "state_rel_err"} <= set(rep["methods"][m])
+    assert png.stat().st_size > 1000
+    assert "KL" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model", "/nonexistent/model"], "no model at /nonexistent/model"),
+        (["-m", "int9"], "unknown format 'int9'"),
+        (["--text", "SHORT"], "fewer than the"),
+        (["--text", "/nonexistent.txt"], "does not exist"),
+        (["--tokens", "0"], "tokens must be >= 1"),
+    ],
+    ids=["missing-model", "unknown-method", "short-text", "missing-text", "zero-tokens"],
+)
+def test_eval_cli_errors(tiny_dir, tmp_path, capsys, argv, message):
+    short = tmp_path / "short.txt"
+    short.write_text("x = 1\n")
+    argv = [str(short) if a == "SHORT" else a for a in argv]
+    if "--model" not in argv:
+        argv = ["--model", str(tiny_dir), *argv]
+    assert main(["eval", "--quiet", *argv]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("leapquant:")]
+    assert len(err) == 1 and message in err[0]
+
+
+def test_eval_rejects_model_without_linear_attention(tmp_path, capsys):
+    import transformers as tf
+
+    tf.LlamaForCausalLM(
+        tf.LlamaConfig(
+            vocab_size=384, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2
+        )
+    ).save_pretrained(tmp_path)
+    tf.ByT5Tokenizer().save_pretrained(tmp_path)
+    assert main(["eval", "--model", str(tmp_path), "--tokens", "4", "--quiet"]) == 2
+    assert "no supported linear-attention layers" in capsys.readouterr().err
+
+
+def test_trace_replays_exactly(tiny_dir, tmp_path):
+    """A recorded trace replayed at fp32 reproduces itself, and quantized methods drift from it."""
+    from leapquant.eval import simulate
+
+    out = tmp_path / "t.npz"
+    assert main(["trace", "--model", str(tiny_dir), "--tokens", "96", "--layers", "0,2", "--heads", "1",
+                 "--out", str(out), "--device", "cpu"]) == 0  # fmt: skip
+    trace = load_trace(out)
+    assert trace.records.k.shape == (2, 96, 32) and trace.meta["layers"] == [0, 2]
+    rep = simulate([trace], ["fp32", "int4"])
+    assert rep["methods"]["fp32"]["output_rel_err"] < 1e-12
+    assert rep["methods"]["int4"]["output_rel_err"] > 1e-4
+    assert main(["trace", "--model", str(tiny_dir), "--tokens", "8", "--layers", "3", "--out", str(out)]) == 2
