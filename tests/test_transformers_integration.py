@@ -168,3 +168,25 @@ def test_bad_input():
     )
     with pytest.raises(LeapQuantError, match="no supported linear-attention layers"):
         leapquant.patch(llama, "int8")
+
+
+@pytest.mark.parametrize("method", ["int8", "mxfp4", "turboquant-4"])
+@pytest.mark.parametrize("arch", ["qwen3_5", "kimi_linear"])
+def test_per_step_fast_path_matches_reference(arch, method):
+    """auto runs per-step methods as the model's step + the format's round trip; same as the reference."""
+    from leapquant.integrations.backends import DequantizedState
+
+    model = tiny_model(arch, d=32, decay_scale=0.05)
+    ids = torch.randint(3, 64, (2, 30), generator=torch.Generator().manual_seed(8))
+    patched = leapquant.patch(model, method, backend="reference64")
+    ref, ref_cache = _teacher_forced(model, ids, 6)
+    ref_states = patched.states(ref_cache)
+    patched = leapquant.patch(model, method)
+    got, cache = _teacher_forced(model, ids, 6)
+    layer = patched.layers[0]
+    assert isinstance(cache._leapquant_states[layer].states[0], DequantizedState)
+    states = patched.states(cache)
+    leapquant.unpatch(model)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+    for idx, st in states.items():
+        assert ((st - ref_states[idx]).norm() / ref_states[idx].norm()) < 1e-3

@@ -12,7 +12,7 @@ __all__ = ["main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import bench, simulate
+    from . import bench, memory, model, simulate
 
     parser = argparse.ArgumentParser(
         prog="leapquant",
@@ -21,6 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     simulate.add_parsers(sub)
     bench.add_parsers(sub)
+    model.add_parsers(sub)
+    memory.add_parsers(sub)
     return parser
 
 

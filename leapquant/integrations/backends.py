@@ -6,6 +6,8 @@ or ``[B, HV, K]`` (KDA), ``beta [B, HV]`` after its sigmoid) and returns ``o [B,
 
 * :class:`NativeState` keeps the dense fp32 state and calls the model's own recurrent function: the
   ``fp32`` method, bit-identical to the unpatched model by construction.
+* :class:`DequantizedState` keeps the dequantized dense state of a per-step method and re-quantizes it
+  after the model's own step (eq. 2), a fast path for the many per-step baselines.
 * :class:`ReferenceState` keeps a :class:`~leapquant.methods.WindowedState` (any method name): the readable
   reference, on any device.
 * :class:`KernelState` keeps a :class:`~leapquant.ops.pool.LeapQuantPool` or per-step pool and runs the
@@ -25,7 +27,7 @@ import torch
 from ..errors import LeapQuantError
 from ..methods import MethodConfig, WindowedState, parse_method
 
-__all__ = ["KernelState", "NativeState", "ReferenceState", "make_state"]
+__all__ = ["DequantizedState", "KernelState", "NativeState", "ReferenceState", "make_state"]
 
 _PER_STEP_KERNEL_FORMATS = ("fp32", "bf16", "int8")
 
@@ -51,6 +53,49 @@ class NativeState:
             output_final_state=True,
             use_qk_l2norm_in_kernel=use_qk_l2norm,
         )
+        return out[:, 0].float()
+
+    def materialize(self) -> torch.Tensor:
+        return self.state.clone()
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self.state = self.state[rows]
+
+
+class DequantizedState:
+    """A per-step method (window 1, no compensators) as the model's recurrent function followed by the
+    format's round trip: ``S_t = dequant(quant(decay * S_{t-1} + k u^T))`` (paper eq. 2).
+
+    The same arithmetic as :class:`ReferenceState` at window 1, in a few launches instead of dozens (the
+    evaluation harness runs a dozen such methods side by side on the GPU).
+    """
+
+    def __init__(self, config: MethodConfig, recurrent_fn: Callable) -> None:
+        self.config = config
+        self.recurrent_fn = recurrent_fn
+        self.state: torch.Tensor | None = None
+
+    def _round_trip(self, state: torch.Tensor) -> torch.Tensor:
+        b, hv, d_k, d_v = state.shape
+        window = WindowedState(self.config, b * hv, d_k, d_v, dtype=torch.float32, device=state.device)
+        window.load(state.reshape(b * hv, d_k, d_v))
+        return window.materialize().reshape(b, hv, d_k, d_v)
+
+    def load(self, state: torch.Tensor) -> None:
+        self.state = self._round_trip(state.float())
+
+    def step(self, q, k, v, g, beta, use_qk_l2norm: bool = True) -> torch.Tensor:
+        out, state = self.recurrent_fn(
+            q[:, None],
+            k[:, None],
+            v[:, None],
+            g=g[:, None],
+            beta=beta[:, None],
+            initial_state=self.state,
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=use_qk_l2norm,
+        )
+        self.state = self._round_trip(state.float())
         return out[:, 0].float()
 
     def materialize(self) -> torch.Tensor:
@@ -171,14 +216,19 @@ class KernelState:
 def make_state(method: str, *, backend: str, device: torch.device, decay: str, recurrent_fn: Callable):
     """The state object for ``method`` on ``device``.
 
-    ``backend``: ``"auto"`` (kernels on CUDA when the method has one, the reference otherwise),
+    ``backend``: ``"auto"`` (kernels on CUDA when the method has one; per-step methods as the model's own
+    step plus the format's round trip; the reference otherwise),
     ``"reference"``, ``"triton"`` (error if the method has no kernel) or ``"reference64"`` (float64).
     """
     config = parse_method(method)
     if method == "fp32":
         return NativeState(recurrent_fn)
     if backend == "auto":
-        backend = "triton" if device.type == "cuda" and KernelState.supports(method) else "reference"
+        if device.type == "cuda" and KernelState.supports(method):
+            return KernelState(method, decay)
+        if config.window == 1 and not config.compensators:
+            return DequantizedState(config, recurrent_fn)
+        backend = "reference"
     if backend == "triton":
         if not KernelState.supports(method):
             raise LeapQuantError(

@@ -1,0 +1,291 @@
+"""The byte model of a serving deployment and the requests that fit on one GPU.
+
+Per request (one decode slot) a hybrid model holds, for a state method ``M`` and a context of ``T`` tokens:
+
+* **recurrent state**: per linear-attention layer and value head, the state in ``M``'s storage.  The bytes
+  are the library's own accounting, never re-derived here: the tensors of
+  :class:`~leapquant.ops.pool.PoolConfig` when a LeapQuant kernel runs ``M`` (``leapquant-int8``:
+  int8 payload, fp32 value-channel scales, fp32 smoothing scales, fp16 compensator tokens, then the record
+  buffer of ``P`` records and the position), the per-step pool layout for ``fp32``/``bf16``/``int8``, and
+  otherwise :meth:`MethodConfig.bytes_per_element` plus :meth:`MethodConfig.record_buffer_bytes`;
+* **conv state**: ``conv_dim x (kernel - 1)`` values per linear layer (bf16), as vLLM and SGLang keep it;
+* **KV cache**: ``T`` tokens on every full-attention layer: K and V heads for GQA, the
+  ``kv_lora_rank + qk_rope_head_dim`` latent for MLA (bf16 unless ``kv_dtype`` says otherwise);
+* **prefix-cache checkpoints** (with ``prefix_interval``): ``T // interval`` copies of the recurrent and
+  conv state, one per cached block (vLLM/SGLang "align" mode).  A checkpoint of a LeapQuant method stores
+  the boundary state only (payload, scales, smoothing, compensator tokens; no record buffer): at an
+  interval that is a multiple of the window ``P`` the window closes exactly on the block boundary.
+
+The requests that fit are ``floor((gpu_memory - weights - reserve) / per_request)``; ``reserve`` stands for
+activations, CUDA graphs and allocator slack (default 10% of the GPU, vLLM's default
+``--gpu-memory-utilization 0.9``).  Sizes in bytes; ``gpu_memory_gib`` and ``reserve_gib`` in GiB (2**30).
+:func:`buffer_plan` lists every buffer (shape, dtype, count) so a script can allocate them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from ..errors import LeapQuantError
+from .models import HybridShape
+
+__all__ = ["DTYPE_BYTES", "BufferSpec", "MemoryPlan", "buffer_plan", "plan_memory", "state_layout"]
+
+GIB = 2**30
+DTYPE_BYTES = {
+    "float32": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "float8_e4m3fn": 1,
+    "int8": 1,
+    "uint8": 1,
+    "int32": 4,
+}
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "float8_e4m3fn"}
+BOUNDARY = ("payload", "scale", "smooth", "comp_k", "comp_u")  # PoolConfig tensors a checkpoint keeps
+PER_STEP_POOLS = ("fp32", "bf16", "int8")  # formats of leapquant.ops.per_step_decode.PerStepPool
+DEFAULT_RESERVE_FRACTION = 0.1
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    """``count`` tensors of ``shape`` and ``dtype`` (a torch dtype name) in one group of the plan.
+
+    Groups: ``weights``, ``state`` (live recurrent state), ``conv``, ``kv``, ``checkpoint_state`` and
+    ``checkpoint_conv``.  ``count`` is the number of layers (or weight tensors) holding one such tensor.
+    """
+
+    group: str
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    count: int = 1
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_BYTES:
+            raise LeapQuantError(f"buffer {self.name}: unknown dtype {self.dtype!r}")
+        if self.count < 0 or any(d < 0 for d in self.shape):
+            raise LeapQuantError(f"buffer {self.name}: negative size {self.shape} x {self.count}")
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all ``count`` tensors."""
+        return self.count * math.prod(self.shape) * DTYPE_BYTES[self.dtype]
+
+
+def _dtype(name: str, what: str) -> str:
+    d = DTYPE_ALIASES.get(name, name)
+    if d not in ("float32", "bfloat16", "float16", "float8_e4m3fn"):
+        raise LeapQuantError(f"{what} must be fp32, bf16, fp16 or fp8, got {name!r}")
+    return d
+
+
+def state_layout(shape: HybridShape, method: str, slots: int) -> tuple[str, list[tuple[str, tuple, str]]]:
+    """How one linear-attention layer stores ``slots`` states: ``(kind, [(name, shape, dtype), ...])``.
+
+    ``kind`` is ``pool`` (a LeapQuant kernel pool), ``per-step`` (the per-step fp32/bf16/int8 pool) or
+    ``bytes`` (no kernel yet: boundary and record bytes from :class:`MethodConfig`, as uint8).  Raises
+    :class:`LeapQuantError` for a name the method grammar rejects.
+    """
+    from ..methods.config import parse_method
+    from ..ops.pool import PoolConfig
+
+    cfg = parse_method(method)
+    hv, k, v = shape.heads_v, shape.d_k, shape.d_v
+    try:
+        pool = PoolConfig.from_method(method, heads=hv, d_k=k, d_v=v, decay=shape.decay)
+    except LeapQuantError:
+        pool = None
+    if pool is not None:
+        specs = [(n, s, str(dt).removeprefix("torch.")) for n, (s, dt) in pool.shapes(slots).items()]
+        kind = "pool"
+    elif cfg.window == 1 and cfg.codec in PER_STEP_POOLS and not cfg.compensators and not cfg.smoothing:
+        dtype = {"fp32": "float32", "bf16": "bfloat16", "int8": "int8"}[cfg.codec]
+        specs = [("state", (slots, hv, v, k), dtype)]
+        if cfg.codec == "int8":
+            specs.append(("scale", (slots, hv, v), "float32"))
+        kind = "per-step"
+    else:
+        boundary = cfg.bytes_per_element(k, v) * k * v
+        records = cfg.record_buffer_bytes(k, v, 1 if shape.decay == "scalar" else k)
+        specs = [("payload", (slots, hv, math.ceil(boundary)), "uint8")]
+        if records:
+            specs.append(("records", (slots, hv, records), "uint8"))
+        kind = "bytes"
+    _check_accounting(shape, method, cfg, specs, slots)
+    return kind, specs
+
+
+def _check_accounting(shape, method, cfg, specs, slots) -> None:
+    """The layout must hold exactly what MethodConfig counts (an internal invariant, not user input)."""
+    k, v, hv = shape.d_k, shape.d_v, shape.heads_v
+    expected = math.ceil(cfg.bytes_per_element(k, v) * k * v)
+    expected += cfg.record_buffer_bytes(k, v, 1 if shape.decay == "scalar" else k)
+    got = sum(math.prod(s) * DTYPE_BYTES[d] for _, s, d in specs)
+    if got != expected * hv * slots:
+        raise RuntimeError(
+            f"{method}: state layout holds {got} B, MethodConfig counts {expected * hv * slots} B"
+        )
+
+
+def buffer_plan(
+    shape: HybridShape,
+    method: str,
+    *,
+    batch: int,
+    context: int,
+    prefix_interval: int | None = None,
+    kv_dtype: str = "bf16",
+    conv_dtype: str = "bf16",
+    weight_dtype: str = "bf16",
+    weights: bool = True,
+) -> list[BufferSpec]:
+    """Every buffer of ``batch`` requests at ``context`` tokens: weights, state, conv, KV, checkpoints."""
+    for name, value in (("batch", batch), ("context", context)):
+        if value < 1:
+            raise LeapQuantError(f"{name} must be >= 1, got {value}")
+    if prefix_interval is not None and prefix_interval < 1:
+        raise LeapQuantError(f"prefix-cache interval must be >= 1, got {prefix_interval}")
+    kv_t, conv_t, w_t = (
+        _dtype(kv_dtype, "kv dtype"),
+        _dtype(conv_dtype, "conv dtype"),
+        _dtype(weight_dtype, "weights"),
+    )
+    n_lin, n_full = shape.linear_layers, shape.full_layers
+    out: list[BufferSpec] = []
+    if weights:
+        out += [BufferSpec("weights", n, s, w_t) for n, s in shape.weight_tensors()]
+    kind, specs = state_layout(shape, method, batch)
+    out += [BufferSpec("state", n, s, d, n_lin) for n, s, d in specs]
+    conv = (shape.conv_dim, shape.conv_kernel - 1)
+    out.append(BufferSpec("conv", "conv", (batch, *conv), conv_t, n_lin))
+    if n_full:
+        if shape.attention == "mla":
+            out.append(BufferSpec("kv", "latent", (batch, context, shape.kv_values_per_token), kv_t, n_full))
+        else:
+            kv = (batch, context, shape.kv_heads, shape.head_dim)
+            out += [BufferSpec("kv", "k", kv, kv_t, n_full), BufferSpec("kv", "v", kv, kv_t, n_full)]
+    n_ckpt = context // prefix_interval if prefix_interval else 0
+    if n_ckpt:
+        slots = batch * n_ckpt
+        _, cspecs = state_layout(shape, method, slots)
+        keep = BOUNDARY if kind == "pool" else ("state", "scale", "payload")
+        out += [BufferSpec("checkpoint_state", n, s, d, n_lin) for n, s, d in cspecs if n in keep]
+        out.append(BufferSpec("checkpoint_conv", "conv", (slots, *conv), conv_t, n_lin))
+    return out
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes per request and requests that fit for one model, method and context (all sizes in bytes).
+
+    ``state_bytes`` is the live recurrent state of one request over all linear layers (records included),
+    ``state_breakdown`` splits it by tensor; ``checkpoint_bytes`` is one prefix-cache checkpoint (recurrent
+    boundary state + conv state, all linear layers) and ``checkpoints`` how many a request holds.
+    """
+
+    model: str
+    method: str
+    config: str
+    layout: str
+    bytes_per_element: float
+    context: int
+    prefix_interval: int | None
+    checkpoints: int
+    state_bytes: int
+    state_breakdown: dict[str, int]
+    conv_bytes: int
+    kv_bytes: int
+    checkpoint_bytes: int
+    weights_bytes: int
+    gpu_bytes: int
+    reserve_bytes: int
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def checkpoints_bytes(self) -> int:
+        """All checkpoints of one request."""
+        return self.checkpoints * self.checkpoint_bytes
+
+    @property
+    def per_request_bytes(self) -> int:
+        return self.state_bytes + self.conv_bytes + self.kv_bytes + self.checkpoints_bytes
+
+    @property
+    def budget_bytes(self) -> int:
+        """GPU memory left for requests after weights and the reserve (may be negative)."""
+        return self.gpu_bytes - self.weights_bytes - self.reserve_bytes
+
+    @property
+    def max_requests(self) -> int:
+        """Concurrent requests that fit (0 when the weights alone do not)."""
+        return max(0, self.budget_bytes // self.per_request_bytes)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        for name in ("checkpoints_bytes", "per_request_bytes", "budget_bytes", "max_requests"):
+            d[name] = getattr(self, name)
+        return d
+
+
+def plan_memory(
+    shape: HybridShape,
+    method: str,
+    *,
+    context: int,
+    gpu_memory_gib: float,
+    prefix_interval: int | None = None,
+    reserve_gib: float | None = None,
+    kv_dtype: str = "bf16",
+    weight_dtype: str = "bf16",
+) -> MemoryPlan:
+    """The :class:`MemoryPlan` of ``method`` on ``shape`` (see the module docstring for what is counted)."""
+    from ..methods.config import parse_method
+
+    if not gpu_memory_gib > 0:
+        raise LeapQuantError(f"gpu memory must be > 0 GiB, got {gpu_memory_gib}")
+    if reserve_gib is None:
+        reserve_gib = DEFAULT_RESERVE_FRACTION * gpu_memory_gib
+    if not 0 <= reserve_gib < gpu_memory_gib:
+        raise LeapQuantError(f"reserve must be in [0, gpu memory) GiB, got {reserve_gib}")
+    cfg = parse_method(method)
+    buffers = buffer_plan(
+        shape, method, batch=1, context=context, prefix_interval=prefix_interval,
+        kv_dtype=kv_dtype, weight_dtype=weight_dtype,
+    )  # fmt: skip
+    groups: dict[str, int] = {}
+    for b in buffers:
+        groups[b.group] = groups.get(b.group, 0) + b.nbytes
+    n_ckpt = context // prefix_interval if prefix_interval else 0
+    ckpt_total = groups.get("checkpoint_state", 0) + groups.get("checkpoint_conv", 0)
+    return MemoryPlan(
+        model=shape.name,
+        method=method,
+        config=cfg.name,
+        layout=state_layout(shape, method, 1)[0],
+        bytes_per_element=cfg.bytes_per_element(shape.d_k, shape.d_v),
+        context=context,
+        prefix_interval=prefix_interval,
+        checkpoints=n_ckpt,
+        state_bytes=groups["state"],
+        state_breakdown={b.name: b.nbytes for b in buffers if b.group == "state"},
+        conv_bytes=groups["conv"],
+        kv_bytes=groups.get("kv", 0),
+        checkpoint_bytes=ckpt_total // n_ckpt if n_ckpt else _checkpoint_bytes(shape, method, kv_dtype),
+        weights_bytes=groups["weights"],
+        gpu_bytes=int(gpu_memory_gib * GIB),
+        reserve_bytes=int(reserve_gib * GIB),
+        extra={
+            "record_buffer_bytes_per_head": cfg.record_buffer_bytes(
+                shape.d_k, shape.d_v, 1 if shape.decay == "scalar" else shape.d_k
+            ),
+            "state_elements": shape.linear_layers * shape.heads_v * shape.d_k * shape.d_v,
+        },
+    )
+
+
+def _checkpoint_bytes(shape: HybridShape, method: str, kv_dtype: str) -> int:
+    """One checkpoint's bytes when the request holds none (context shorter than the interval, or none)."""
+    bufs = buffer_plan(shape, method, batch=1, context=1, prefix_interval=1, kv_dtype=kv_dtype, weights=False)
+    return sum(b.nbytes for b in bufs if b.group.startswith("checkpoint"))

@@ -1,0 +1,223 @@
+"""Allocate what ``leapquant memory`` plans and compare the bytes: weights, state, conv, KV, checkpoints.
+
+    python scripts/memory_check.py --model qwen3.5-9b --batch 64 --context 4096 \\
+        --prefix-cache-interval 1024 -m fp32 -m leapquant-int8 --json memory-check.json
+
+Weights are random bf16 tensors of the model's real shapes (``--layers N`` keeps N decoder layers in the
+model's linear:full ratio, for models that do not fit); the recurrent state is allocated by the library
+itself (``LeapQuantPool.allocate`` / ``PerStepPool.allocate`` per linear layer) where a kernel pool exists,
+everything else as plain tensors of the planned shapes.  On CUDA each group is measured with
+``torch.cuda.memory_allocated`` and compared with the plan rounded up to the caching allocator's 512-byte
+blocks; on the CPU (no CUDA, or ``--device cpu``) with the sum of tensor storage bytes, which must equal
+the plan exactly.  Prints a table, writes JSON, exits 1 when a group is off by more than ``--tolerance``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+from leapquant.errors import LeapQuantError
+from leapquant.eval.provenance import provenance
+from leapquant.ops.per_step_decode import PerStepPool
+from leapquant.ops.pool import LeapQuantPool, PoolConfig
+from leapquant.plan import buffer_plan, load_shape
+from leapquant.plan.memory import DTYPE_BYTES, state_layout
+
+BLOCK = 512  # CUDA caching allocator granularity (every block is a multiple of 512 bytes)
+GROUPS = ("weights", "state", "conv", "kv", "checkpoint_state", "checkpoint_conv")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="preset or config.json path (as leapquant memory)")
+    p.add_argument("--layers", type=int, help="keep N decoder layers (linear:full ratio kept); default all")
+    p.add_argument("--batch", type=int, required=True, help="requests B")
+    p.add_argument("--context", type=int, required=True, help="tokens per request")
+    p.add_argument("--prefix-cache-interval", type=int, help="a checkpoint per this many tokens")
+    p.add_argument(
+        "--method", "-m", action="append", help="state method; repeat (default fp32, leapquant-int8)"
+    )
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cuda or cpu")
+    p.add_argument("--no-weights", action="store_true", help="skip the weights")
+    p.add_argument("--tolerance", type=float, default=0.001, help="allowed relative difference on CUDA")
+    p.add_argument("--json", required=True, metavar="OUT", help="where to write the JSON report")
+    return p.parse_args(argv)
+
+
+def reduced_shape(shape, layers: int | None):
+    if layers is None:
+        return shape
+    if not 1 <= layers <= shape.layers:
+        raise LeapQuantError(f"--layers must be in 1..{shape.layers}, got {layers}")
+    full = min(layers - 1, round(layers * shape.full_layers / shape.layers)) if shape.full_layers else 0
+    if shape.full_layers and layers > 1:
+        full = max(full, 1)
+    return shape.reduced(layers - full, full)
+
+
+class Meter:
+    """Bytes held by the tensors a block allocates: CUDA allocator delta, or storage bytes on the CPU."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def __call__(self, allocate) -> tuple[list[torch.Tensor], int]:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            before = torch.cuda.memory_allocated(self.device)
+            tensors = allocate()
+            torch.cuda.synchronize(self.device)
+            return tensors, torch.cuda.memory_allocated(self.device) - before
+        tensors = allocate()
+        return tensors, sum(t.untyped_storage().nbytes() for t in tensors)
+
+
+def allocate_specs(specs, device, random_init: bool = False) -> list[torch.Tensor]:
+    """``count`` tensors per spec: zeros, or (weights) normal(0, 0.02) for 16/32-bit floats."""
+    out = []
+    for b in specs:
+        dtype = getattr(torch, b.dtype)
+        for _ in range(b.count):
+            t = torch.zeros(b.shape, dtype=dtype, device=device)
+            if random_init and dtype.is_floating_point and t.element_size() > 1:
+                t.normal_(0.0, 0.02)
+            out.append(t)
+    return out
+
+
+def allocate_state(shape, method, batch, specs, device) -> list[torch.Tensor]:
+    """The live state through the library's own pools where one exists (one pool per linear layer)."""
+    kind, _ = state_layout(shape, method, batch)
+    if kind == "pool":
+        cfg = PoolConfig.from_method(
+            method, heads=shape.heads_v, d_k=shape.d_k, d_v=shape.d_v, decay=shape.decay
+        )
+        pools = [LeapQuantPool.allocate(cfg, slots=batch, device=device) for _ in range(shape.linear_layers)]
+        return [t for p in pools for t in p.tensors.values()]
+    if kind == "per-step":
+        fmt = {"float32": "fp32", "bfloat16": "bf16", "int8": "int8"}[specs[0].dtype]
+        args = (fmt, batch, shape.heads_v, shape.d_k, shape.d_v)
+        pools = [PerStepPool.allocate(*args, device=device) for _ in range(shape.linear_layers)]
+        return [t for p in pools for t in (p.state, p.scale) if t is not None]
+    return allocate_specs(specs, device)
+
+
+def rounded(specs) -> int:
+    """Planned bytes with every tensor rounded up to the allocator's 512-byte blocks."""
+    return sum(b.count * BLOCK * math.ceil(math.prod(b.shape) * DTYPE_BYTES[b.dtype] / BLOCK) for b in specs)
+
+
+def check(args) -> dict:
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(args.device)
+    shape = reduced_shape(load_shape(args.model), args.layers)
+    methods = list(dict.fromkeys(args.method or ("fp32", "leapquant-int8")))
+    meter = Meter(device)
+    kw = dict(batch=args.batch, context=args.context, prefix_interval=args.prefix_cache_interval)
+    report = {
+        "model": shape.name,
+        "layers": {"linear": shape.linear_layers, "full": shape.full_layers},
+        "batch": args.batch,
+        "context": args.context,
+        "prefix_cache_interval": args.prefix_cache_interval,
+        "device": str(device),
+        "measure": "torch.cuda.memory_allocated delta" if device.type == "cuda" else "sum of storage nbytes",
+        "methods": {},
+    }
+    weights = []
+    if not args.no_weights:
+        wspecs = [b for b in buffer_plan(shape, methods[0], **kw) if b.group == "weights"]
+        weights, measured = meter(lambda: allocate_specs(wspecs, device, random_init=True))
+        report["weights"] = _row(wspecs, measured)
+    for method in methods:
+        plan = buffer_plan(shape, method, **kw, weights=False)
+        rows = {}
+        for group in GROUPS[1:]:
+            specs = [b for b in plan if b.group == group]
+            if not specs:
+                continue
+            if group == "state":
+                held, measured = meter(
+                    lambda s=specs, m=method: allocate_state(shape, m, args.batch, s, device)
+                )
+            else:
+                held, measured = meter(lambda s=specs: allocate_specs(s, device))
+            rows[group] = _row(specs, measured)
+            del held
+        report["methods"][method] = rows
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    del weights
+    return report
+
+
+def _row(specs, measured: int) -> dict:
+    return {"planned": sum(b.nbytes for b in specs), "planned_rounded": rounded(specs), "measured": measured}
+
+
+def verdict(report: dict, tolerance: float) -> list[str]:
+    """Groups whose measured bytes differ from the plan (exactly on the CPU, beyond tolerance on CUDA)."""
+    cuda = report["device"].startswith("cuda")
+    rows = [("weights", "weights", report["weights"])] if "weights" in report else []
+    rows += [(m, g, r) for m, groups in report["methods"].items() for g, r in groups.items()]
+    bad = []
+    for method, group, r in rows:
+        target = r["planned_rounded"] if cuda else r["planned"]
+        off = abs(r["measured"] - target)
+        if (cuda and off > tolerance * max(target, 1)) or (not cuda and off):
+            bad.append(f"{method}/{group}: planned {target} B, measured {r['measured']} B")
+    return bad
+
+
+def print_table(report: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"memory check: {report['model']}, B={report['batch']}, context {report['context']}, "
+                  f"{report['device']} ({report['measure']})", title_justify="left")  # fmt: skip
+    for col in (
+        "method",
+        "group",
+        "planned B",
+        "planned (512-rounded) B",
+        "measured B",
+        "measured / planned",
+    ):
+        table.add_column(col, justify="left" if col in ("method", "group") else "right")
+    rows = [("-", "weights", report["weights"])] if "weights" in report else []
+    rows += [(m, g, r) for m, groups in report["methods"].items() for g, r in groups.items()]
+    for method, group, r in rows:
+        ratio = r["measured"] / r["planned"] if r["planned"] else float("nan")
+        table.add_row(method, group, f"{r['planned']:,}", f"{r['planned_rounded']:,}", f"{r['measured']:,}",
+                      f"{ratio:.6f}")  # fmt: skip
+    Console(width=200).print(table)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        report = check(args)
+    except LeapQuantError as exc:
+        print(f"memory_check: error: {exc}", file=sys.stderr)
+        return 2
+    report["mismatches"] = verdict(report, args.tolerance)
+    report["provenance"] = provenance(cuda=report["device"].startswith("cuda"))
+    print_table(report)
+    path = Path(args.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {path}")
+    for line in report["mismatches"]:
+        print(f"MISMATCH {line}")
+    return 1 if report["mismatches"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
