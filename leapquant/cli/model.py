@@ -106,21 +106,26 @@ def run_eval(args: argparse.Namespace) -> int:
             TimeRemainingColumn(),
             transient=True,
         )
+    info = provenance(cuda=str(model.device).startswith("cuda"))
+
+    def write(report: dict) -> None:
+        report["model"] = str(args.model)
+        report["provenance"] = info
+        if args.json:
+            path = Path(args.json)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(report, indent=2) + "\n")
+
+    kwargs = dict(text=text, text_source=source, on_partial=write)
     if progress is None:
-        report = evaluate_model(model, tokenizer, config, text=text, text_source=source)
+        report = evaluate_model(model, tokenizer, config, **kwargs)
     else:
         with progress:
             task = progress.add_task("decode", total=config.tokens)
             report = evaluate_model(
-                model,
-                tokenizer,
-                config,
-                text=text,
-                text_source=source,
-                on_step=lambda n: progress.advance(task, n),
+                model, tokenizer, config, on_step=lambda n: progress.advance(task, n), **kwargs
             )
-    report["model"] = str(args.model)
-    report["provenance"] = provenance(cuda=str(model.device).startswith("cuda"))
+    write(report)
     table = Table(
         title=f"leapquant eval: {Path(args.model).name} ({report['architecture']}), {config.tokens} tokens "
         f"teacher-forced after {config.prefill}; FP32 NLL {report['fp32']['nll']:.4f} nats/token",
@@ -139,10 +144,7 @@ def run_eval(args: argparse.Namespace) -> int:
                 f"first divergence {g['first_divergence']}"
             )
     if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"wrote {path}")
+        print(f"wrote {args.json}")
     if args.plot:
         from ..eval.plot import plot_model_state_error
 

@@ -139,8 +139,13 @@ def evaluate_model(
     text: str | None = None,
     text_source: str = "stdlib",
     on_step: Callable[[int], None] | None = None,
+    on_partial: Callable[[dict], None] | None = None,
 ) -> dict:
-    """Run the evaluation (see the module docstring); returns the report dict (JSON-ready)."""
+    """Run the evaluation (see the module docstring); returns the report dict (JSON-ready).
+
+    ``on_partial`` receives the report so far (``"complete": false``) at every curve point, so a run cut
+    short still leaves its numbers.
+    """
     import torch
     from transformers import DynamicCache
 
@@ -153,15 +158,56 @@ def evaluate_model(
         text, files = stdlib_text(needed * 4)
     ids = torch.tensor(_encode(tokenizer, text, needed, text_source), device=model.device)
     rows = ("fp32", *config.methods)
+    targets = ids.tolist()
     patched = patch(model, rows, backend=config.backend)
     batch = ids[None].repeat(len(rows), 1)
-    kl = torch.zeros(len(rows), dtype=torch.float64)
-    nll = torch.zeros(len(rows), dtype=torch.float64)
-    agree = torch.zeros(len(rows), dtype=torch.float64)
+    # accumulated on the device: no host sync per token, the CPU runs ahead of the GPU
+    kl, nll, agree = (torch.zeros(len(rows), dtype=torch.float64, device=model.device) for _ in range(3))
     marks = sorted(
         {max(1, round(config.tokens * (i + 1) / config.curve_points)) for i in range(config.curve_points)}
     )
     curves: dict[int, list[list[float]]] = {}
+
+    def report(n: int, states: dict, generated: dict) -> dict:
+        methods = {}
+        for i, name in enumerate(rows):
+            if i == 0 and "fp32" not in config.methods:
+                continue
+            num = sum(float((st[i] - st[0]).norm() ** 2) for st in states.values())
+            den = sum(float(st[0].norm() ** 2) for st in states.values())
+            cfg = parse_method(name)
+            methods[name] = {
+                "kl": float(kl[i] / n),
+                "top1_agreement": float(agree[i] / n),
+                "nll": float(nll[i] / n),
+                "state_rel_err": (num / den) ** 0.5,
+                "state_rel_err_by_layer": {str(layer): curves[layer][-1][i] for layer in curves},
+                "bytes_per_element": cfg.bytes_per_element(128, 128),
+                "window": cfg.window,
+            }
+            if name in generated:
+                methods[name]["generate"] = generated[name]
+        done = [m for m in marks if m <= n]
+        return {
+            "model": getattr(model.config, "_name_or_path", "") or type(model).__name__,
+            "architecture": type(model).__name__,
+            "tokens": n,
+            "complete": n == config.tokens,
+            "prefill": config.prefill,
+            "backend": config.backend,
+            "text": {"source": text_source, "files": files[:50], "tokens_used": config.prefill + n + 1},
+            "fp32": {"nll": float(nll[0] / n), "bits_per_token": float(nll[0] / n) / 0.6931471805599453},
+            "linear_attention_layers": patched.layers,
+            "methods": methods,
+            "curves": {
+                "tokens": done,
+                "layers": {
+                    str(layer): {name: [pt[i] for pt in pts] for i, name in enumerate(rows) if i}
+                    for layer, pts in curves.items()
+                },
+            },
+        }
+
     try:
         with torch.inference_mode():
             cache = DynamicCache(config=model.config)
@@ -170,13 +216,15 @@ def evaluate_model(
                 t = config.prefill + step
                 logits = model(batch[:, t : t + 1], past_key_values=cache, use_cache=True).logits[:, -1]
                 logp = torch.log_softmax(logits.double(), dim=-1)
-                kl += (logp[0].exp() * (logp[0] - logp)).sum(-1).cpu()
-                nll -= logp[:, ids[t + 1]].cpu()
-                agree += (logp.argmax(-1) == logp[0].argmax()).double().cpu()
+                kl += (logp[0].exp() * (logp[0] - logp)).sum(-1)
+                nll -= logp[:, targets[t + 1]]
+                agree += (logp.argmax(-1) == logp[0].argmax()).double()
                 if step + 1 in marks:
-                    for layer, st in patched.states(cache).items():
-                        errs = [_rel(st[i], st[0]) for i in range(len(rows))]
-                        curves.setdefault(layer, []).append(errs)
+                    states = patched.states(cache)
+                    for layer, st in states.items():
+                        curves.setdefault(layer, []).append([_rel(st[i], st[0]) for i in range(len(rows))])
+                    if on_partial is not None and step + 1 < config.tokens:
+                        on_partial(report(step + 1, states, {}))
                 if on_step is not None:
                     on_step(1)
             final = patched.states(cache)
@@ -185,43 +233,7 @@ def evaluate_model(
         }
     finally:
         unpatch(model)
-    n = config.tokens
-    methods = {}
-    for i, name in enumerate(rows):
-        if i == 0 and "fp32" not in config.methods:
-            continue
-        num = sum(float((st[i] - st[0]).norm() ** 2) for st in final.values())
-        den = sum(float(st[0].norm() ** 2) for st in final.values())
-        cfg = parse_method(name)
-        methods[name] = {
-            "kl": float(kl[i] / n),
-            "top1_agreement": float(agree[i] / n),
-            "nll": float(nll[i] / n),
-            "state_rel_err": (num / den) ** 0.5,
-            "state_rel_err_by_layer": {str(layer): curves[layer][-1][i] for layer in curves},
-            "bytes_per_element": cfg.bytes_per_element(128, 128),
-            "window": cfg.window,
-        }
-        if name in generated:
-            methods[name]["generate"] = generated[name]
-    return {
-        "model": getattr(model.config, "_name_or_path", "") or type(model).__name__,
-        "architecture": type(model).__name__,
-        "tokens": n,
-        "prefill": config.prefill,
-        "backend": config.backend,
-        "text": {"source": text_source, "files": files[:50], "tokens_used": needed},
-        "fp32": {"nll": float(nll[0] / n), "bits_per_token": float(nll[0] / n) / 0.6931471805599453},
-        "linear_attention_layers": patched.layers,
-        "methods": methods,
-        "curves": {
-            "tokens": marks,
-            "layers": {
-                str(layer): {name: [pt[i] for pt in pts] for i, name in enumerate(rows) if i}
-                for layer, pts in curves.items()
-            },
-        },
-    }
+    return report(config.tokens, final, generated)
 
 
 def _greedy_against_fp32(model, prompt, method: str, config: EvalConfig) -> dict:
