@@ -19,6 +19,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from leapquant.ops.leapquant_decode import close_rows as cr
+from leapquant.ops.leapquant_decode import close_tile as ct
 from leapquant.ops.leapquant_decode import fused_recurrent as lq
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -67,6 +68,12 @@ def main() -> None:
         scalars = {"smooth_floor": "fp32", "qmax": "fp32"}
         usage = resources(lq.close_kernel, close_ptrs, scalars, consts, 8)
         print(f"close kernel, r={rank}, BV=32, 8 warps: {usage}")
+    tile_ptrs = dict(common, close_list="*i32", close_count="*i32")
+    for rank, decay, warps in ((4, False, 8), (4, False, 16), (4, True, 8), (8, False, 8), (0, False, 8)):
+        consts = dict(K=128, V=128, P=16, R=rank, BP=16, BR=16, ITERS=1, RESIDUAL=2, SMOOTH=True,
+                      VECTOR_DECAY=decay, DOT="tf32x3")  # fmt: skip
+        usage = resources(ct.close_tile_kernel, tile_ptrs, {"smooth_floor": "fp32", "qmax": "fp32"}, consts, warps)
+        print(f"tile close, r={rank}, {'vector' if decay else 'scalar'} decay, {warps} warps: {usage}")
     rows_ptrs = dict(common, close_list="*i32", close_count="*i32", zpart="*fp32", qbuf="*fp32", ubuf="*fp16",
                      cpart="*fp32")  # fmt: skip
     shapes = dict(K=128, V=128, P=16, R=4, BV=16, BP=16, BR=16, RESIDUAL=2, SMOOTH=True, VECTOR_DECAY=False,

@@ -294,15 +294,16 @@ def test_gate_and_beta_activation_in_the_kernel(family):
         pytest.param("kda", "fp8-e4m3", 2, False, id="kda-fp8-r2"),
     ],
 )
-def test_row_parallel_close_matches_the_persistent_close(family, residual, rank, smooth):
-    """``LaunchConfig(close="rows")`` computes the same windows as the one-program-per-head close."""
+@pytest.mark.parametrize("close", ["rows", "tile"])
+def test_other_closes_match_the_persistent_close(family, residual, rank, smooth, close):
+    """``LaunchConfig(close="rows"|"tile")`` computes the same windows as the chunked persistent close."""
     from leapquant.ops.leapquant_decode import LaunchConfig
 
     gen = torch.Generator(device=DEVICE).manual_seed(rank)
     cfg = PoolConfig(heads=2, d_k=K, d_v=V, window=4, compensators=rank, smoothing=smooth, residual=residual,
                      decay="vector" if family == "kda" else "scalar")  # fmt: skip
     slots = torch.tensor([3, -1, 0], dtype=torch.int32, device=DEVICE)
-    launches = [LaunchConfig(close="rows", rows_bv=16), LaunchConfig(close="persistent")]
+    launches = [LaunchConfig(close=close, rows_bv=16, tile_warps=4), LaunchConfig(close="persistent")]
     pools = [LeapQuantPool.allocate(cfg, 5, DEVICE) for _ in launches]
     s0 = torch.randn(3, 2, K, V, generator=gen, device=DEVICE)
     for pool in pools:

@@ -46,6 +46,9 @@ class LaunchConfig:
             iteration per boundary only).
         rows_bv: value rows per chunk of the ``"rows"`` close.
         rows_warps: warps per program of the ``"rows"`` close.
+        tile_warps: warps per program of the ``"tile"`` close (each holds a head's whole state in registers,
+            ``close_tile.py``).
+        tile_programs_per_sm: persistent ``"tile"`` close programs per multiprocessor.
     """
 
     step_bv: int = 32
@@ -59,6 +62,8 @@ class LaunchConfig:
     close: str = "persistent"
     rows_bv: int = 16
     rows_warps: int = 4
+    tile_warps: int = 8
+    tile_programs_per_sm: int = 2
 
     @classmethod
     def tuned(cls, decay: str) -> LaunchConfig:
@@ -66,16 +71,17 @@ class LaunchConfig:
         return cls(step_bv=16, step_warps=2) if decay == "scalar" else cls()
 
     def __post_init__(self) -> None:
-        for name in ("step_bv", "step_warps", "close_bv", "close_warps", "rows_warps"):
+        if self.close not in ("persistent", "rows", "tile"):
+            raise LeapQuantError(f"launch: close must be persistent, rows or tile, got {self.close!r}")
+        for name in ("step_bv", "step_warps", "close_bv", "close_warps", "rows_warps", "tile_warps"):
             x = getattr(self, name)
             if x < 1 or x & (x - 1):
                 raise LeapQuantError(f"launch: {name} must be a power of two, got {x}")
         if self.close_bv < 16:
             raise LeapQuantError(f"launch: close_bv must be >= 16 (a tl.dot operand), got {self.close_bv}")
-        if self.close_programs_per_sm < 1:
-            raise LeapQuantError(
-                f"launch: close_programs_per_sm must be >= 1, got {self.close_programs_per_sm}"
-            )
+        for name in ("close_programs_per_sm", "tile_programs_per_sm"):
+            if getattr(self, name) < 1:
+                raise LeapQuantError(f"launch: {name} must be >= 1, got {getattr(self, name)}")
 
 
 def _use_triton(pool: LeapQuantPool, backend: str) -> bool:
@@ -169,6 +175,9 @@ def _launch_close(pool: LeapQuantPool, n: int, launch: LaunchConfig) -> None:
     if launch.close == "rows" and pool.config.power_iters == 1:
         _launch_close_rows(pool, n, launch)
         return
+    if launch.close == "tile":
+        _launch_close_tile(pool, n, launch)
+        return
     cfg = pool.config
     t = pool.tensors
     dummy = t["pos"]
@@ -185,6 +194,27 @@ def _launch_close(pool: LeapQuantPool, n: int, launch: LaunchConfig) -> None:
         BP=_pow2(cfg.window, 16), BR=br, ITERS=cfg.power_iters, RESIDUAL=code,
         SMOOTH=cfg.smoothing, VECTOR_DECAY=cfg.decay == "vector", DOT=launch.dot,
         num_warps=launch.close_warps,
+    )  # fmt: skip
+
+
+def _launch_close_tile(pool: LeapQuantPool, n: int, launch: LaunchConfig) -> None:
+    from ...methods.smoothing import SMOOTHING_FLOOR
+    from .close_tile import close_tile_kernel
+    from .fused_recurrent import RESIDUAL_CODES
+
+    cfg = pool.config
+    t = pool.tensors
+    dummy = t["pos"]
+    code, qmax = RESIDUAL_CODES[cfg.residual]
+    sms = torch.cuda.get_device_properties(pool.device).multi_processor_count if pool.device.type == "cuda" else 1
+    grid = max(1, min(n * cfg.heads, sms * launch.tile_programs_per_sm))
+    list_, count = pool.close_list()
+    close_tile_kernel[(grid,)](
+        list_, count, t["payload"], t.get("scale", dummy), t.get("smooth", dummy), t.get("comp_k", dummy),
+        t.get("comp_u", dummy), t["rec_g"], t["rec_k"], t["rec_u"], t["pos"], SMOOTHING_FLOOR, qmax,
+        K=cfg.d_k, V=cfg.d_v, P=cfg.window, R=cfg.compensators, BP=_pow2(cfg.window, 16),
+        BR=_pow2(cfg.compensators, 16), ITERS=cfg.power_iters, RESIDUAL=code, SMOOTH=cfg.smoothing,
+        VECTOR_DECAY=cfg.decay == "vector", DOT=launch.dot, num_warps=launch.tile_warps,
     )  # fmt: skip
 
 
