@@ -35,7 +35,7 @@ PRESETS = {"main": MAIN, "sweep": SWEEP}
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="GPU benchmarks (kernel)")
+    p = sub.add_parser("bench", help="GPU benchmarks (kernel, decode)")
     bsub = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
     k = bsub.add_parser(
         "kernel",
@@ -54,7 +54,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     k.add_argument("--close-bv", type=int, default=None, help="launch: value rows per close chunk")
     k.add_argument("--close-warps", type=int, default=None, help="launch: warps per close program")
     k.add_argument("--close-programs", type=int, default=None, help="launch: close programs per SM")
-    k.add_argument("--close", choices=("persistent", "rows"), default=None, help="launch: window-close path")
+    k.add_argument(
+        "--close", choices=("persistent", "rows", "tile"), default=None, help="launch: window-close path"
+    )
     k.add_argument(
         "--tune",
         action="store_true",
@@ -73,11 +75,97 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     k.add_argument("--markdown", metavar="OUT.md", help="write the table as Markdown")
     k.add_argument("--plot", metavar="OUT.png", help="plot speedup over FLA FP32 against batch size")
     k.set_defaults(run=run_kernel)
+    _add_decode_parser(bsub)
     r = bsub.add_parser("report", help="Markdown tables (and optionally the plot) from a bench kernel JSON")
     r.add_argument("json_path", metavar="KERNEL.json")
     r.add_argument("--n", type=int, default=512, help="batch size of the per-variant table (default 512)")
     r.add_argument("--plot", metavar="OUT.png", help="also redraw the speedup plot")
     r.set_defaults(run=run_report)
+
+
+def _add_decode_parser(bsub: argparse._SubParsersAction) -> None:
+    d = bsub.add_parser(
+        "decode",
+        help="whole decode steps of 8-layer Qwen3.5-9B / Kimi-Linear-48B-shaped hybrids, per state backend",
+        description="One decode step of a hybrid model with the real layer dimensions and pattern "
+        "(random bf16 weights, a real KV cache of each context length) captured in a CUDA graph; tokens/s "
+        "per state backend, speedup over fp32, the share of the step in the state kernels. Without a GPU "
+        "use --tiny (timings are then not meaningful).",
+    )
+    d.add_argument("--model", choices=("qwen35-9b", "kimi-linear-48b", "both"), default="both")
+    d.add_argument(
+        "--batch", nargs="+", type=_int_list, default=None, help="batch sizes (default 64 128 256 512)"
+    )
+    d.add_argument(
+        "--context",
+        nargs="+",
+        type=_int_list,
+        default=None,
+        help="context lengths (default 1024 2048 4096 8192)",
+    )
+    d.add_argument(
+        "--grid",
+        choices=("star", "cross"),
+        default="star",
+        help="star (default): every batch at --main-context plus every context at the largest batch (the "
+        "paper's Figure 8 and 10); cross: every batch x context",
+    )
+    d.add_argument("--main-context", type=int, default=None, help="context of the batch sweep (default 4096)")
+    d.add_argument(
+        "--backends",
+        nargs="+",
+        default=["fp32", "bf16", "leapquant-int8"],
+        help="fp32 (FLA), bf16 / fp32-per-step / int8-per-step (ours) or LeapQuant methods (leapquant-int8)",
+    )
+    d.add_argument(
+        "--layers", type=int, default=8, help="layers of the model (default 8, real layer pattern)"
+    )
+    d.add_argument(
+        "--profile", action="store_true", help="torch.profiler split, ablations and roofline per config"
+    )
+    d.add_argument(
+        "--tiny", action="store_true", help="tiny widths (CPU tests); default batch 2 4, context 16 32"
+    )
+    d.add_argument("--moe", choices=("auto", "grouped", "padded"), default="auto", help="MoE expert compute")
+    d.add_argument(
+        "--state-impl",
+        choices=("auto", "triton", "reference"),
+        default="auto",
+        help="our kernels: Triton (GPU or TRITON_INTERPRET=1) or the torch reference (auto: as available)",
+    )
+    d.add_argument("--graph-steps", type=int, default=2, help="decode steps per CUDA graph (default 2)")
+    d.add_argument("--warmup", type=int, default=2, help="graph replays before timing (default 2)")
+    d.add_argument("--repeats", type=int, default=10, help="timed graph replays, median (default 10)")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--json", metavar="OUT", help="write rows, ablations, profiles and provenance as JSON")
+    d.add_argument("--markdown", metavar="OUT.md", help="write the tables as Markdown")
+    d.add_argument("--plot", metavar="OUT.png", help="throughput per configuration (paper Figure 8 style)")
+    d.set_defaults(run=run_decode)
+
+
+def _int_list(text: str) -> list[int]:
+    """Positive whole numbers from one argument, ``512`` or ``64,128`` (argparse type)."""
+    try:
+        values = [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected whole numbers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
+    return values
+
+
+def run_decode(args: argparse.Namespace) -> int:
+    from ..bench.decode_run import run_decode as run
+
+    for name in ("batch", "context"):  # each value may be a comma list: flatten
+        values = getattr(args, name)
+        if values is not None:
+            setattr(args, name, [x for group in values for x in group])
+    if args.layers < 1 or min(args.graph_steps, args.repeats) < 1 or args.warmup < 0:
+        raise LeapQuantError(
+            "bench decode: --layers, --graph-steps and --repeats must be >= 1, --warmup >= 0"
+        )
+    return run(args)
 
 
 def _ints(text: str, what: str) -> list[int]:
@@ -195,7 +283,8 @@ def run_kernel(args: argparse.Namespace) -> int:
 
 
 # Launch shapes tried by --tune: (value rows per chunk, warps, pipeline stages, fast int8 conversion) of
-# the step kernel, then (value rows per chunk, warps, programs per SM, product precision) of the close path.
+# the step kernel, then (value rows per chunk, warps, programs per SM, product precision, close kernel) of the
+# close path (the "tile" close has no row chunks: it holds the whole state).
 STEP_SHAPES = (
     (32, 4, 1, True),
     (32, 4, 2, True),
@@ -208,6 +297,9 @@ CLOSE_SHAPES = (
     (32, 8, 1, "tf32x3", "persistent"),
     (32, 8, 1, "ieee", "persistent"),
     (32, 8, 1, "tf32x3", "rows"),
+    (32, 8, 1, "tf32x3", "tile"),
+    (32, 16, 1, "tf32x3", "tile"),
+    (32, 8, 1, "ieee", "tile"),
 )
 
 
@@ -225,9 +317,12 @@ def _tune(case, launch, measure, report, con):
         con.print(f"tune {case.family} step {shape}: {row.get('ms', float('nan')) * 1e3:.1f} us")
     chosen, best_ms = best, float("inf")
     for bv, warps, programs, dot, close in CLOSE_SHAPES:
-        shape = replace(
-            best, close_bv=bv, close_warps=warps, close_programs_per_sm=programs, dot=dot, close=close
-        )
+        if close == "tile":
+            shape = replace(best, tile_warps=warps, tile_programs_per_sm=programs, dot=dot, close=close)
+        else:
+            shape = replace(
+                best, close_bv=bv, close_warps=warps, close_programs_per_sm=programs, dot=dot, close=close
+            )
         row = measure("leapquant-int8", case, shape)
         report["tuning"].append(row)
         if "error" not in row and row["ms"] < best_ms:

@@ -206,7 +206,9 @@ def _launch_close_tile(pool: LeapQuantPool, n: int, launch: LaunchConfig) -> Non
     t = pool.tensors
     dummy = t["pos"]
     code, qmax = RESIDUAL_CODES[cfg.residual]
-    sms = torch.cuda.get_device_properties(pool.device).multi_processor_count if pool.device.type == "cuda" else 1
+    sms = 1
+    if pool.device.type == "cuda":
+        sms = torch.cuda.get_device_properties(pool.device).multi_processor_count
     grid = max(1, min(n * cfg.heads, sms * launch.tile_programs_per_sm))
     list_, count = pool.close_list()
     close_tile_kernel[(grid,)](

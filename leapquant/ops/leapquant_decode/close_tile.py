@@ -30,7 +30,7 @@ def close_tile_kernel(
     ITERS: tl.constexpr, RESIDUAL: tl.constexpr, SMOOTH: tl.constexpr, VECTOR_DECAY: tl.constexpr,
     DOT: tl.constexpr,
 ):  # fmt: skip
-    """Persistent: program ``pid`` closes list entries ``pid, pid + grid, ...``, each entirely in registers."""
+    """Persistent: program ``pid`` closes entries ``pid, pid + grid, ...`` of the list, each in registers."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     o_k = tl.arange(0, K)

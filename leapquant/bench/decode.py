@@ -1,0 +1,623 @@
+"""A compact decode-step model of two hybrid LLMs, for end-to-end decode benchmarks (paper Figure 8).
+
+One :class:`DecodeModel` step decodes one token for each of ``B`` sequences through an ``L``-layer hybrid with
+the real layer dimensions and layer pattern of Qwen3.5-9B (Gated DeltaNet + gated GQA attention, dense MLP)
+or Kimi-Linear-48B-A3B (KDA + MLA, MoE with a shared expert), random bf16 weights, in plain torch so that
+the whole step can be captured in one CUDA graph.  The state of the linear-attention layers lives in a
+:class:`StateBackend` (the thing compared): FLA's fp32 kernels, our per-step bf16/int8 kernels or a
+LeapQuant pool.  Per step:
+
+* embedding lookup of one token per sequence;
+* per layer ``x += mixer(rmsnorm(x)); x += mlp(rmsnorm(x))``;
+* linear-attention mixer: one merged in-projection, causal conv1d update (conv state ``[B, C, W]``, plain
+  torch), gates (GDN ``g [B, HV]``, KDA ``g [B, HV, K]``, computed in torch for every backend), the state
+  kernel, gated RMSNorm, out-projection;
+* full attention over a static bf16 KV cache of ``context`` tokens per sequence (the new token is written at
+  the last position): GQA through ``scaled_dot_product_attention`` with the query heads of one KV head
+  folded into the query length (one read of each KV head), q/k RMSNorm, 1-D RoPE on the rotary dims (the
+  real model's 3-section mRoPE degenerates to it for text), sigmoid output gate; MLA in the absorbed form
+  over a cache of the compressed latent (``kv_lora_rank + qk_rope_dim`` per token, no RoPE: Kimi-Linear's
+  MLA is NoPE) as two batched matmuls (so the latent cache is read twice, once for scores and once for
+  values, where a FlashMLA kernel reads it once);
+* dense SwiGLU MLP (merged gate/up) or MoE: sigmoid top-k router with renormalisation and routed scaling,
+  tokens sorted by expert and run through ``torch._grouped_mm`` (``moe="grouped"``) or a padded per-expert
+  ``bmm`` with capacity ``2 B k / E`` (``moe="padded"``), plus the shared expert;
+* final RMSNorm and the LM head (``[B, vocab]`` logits), included in the step time.
+
+``skip`` removes parts of the step for ablation timings: ``"state"`` (the state kernel call, its output
+replaced by a preallocated tensor), ``"attention"`` (the attention core over the KV cache), ``"mlp"`` (MLP or
+MoE) and ``"lm_head"`` (final norm and LM head).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import LeapQuantError
+
+__all__ = ["MODELS", "DecodeModel", "ModelSpec", "StateBackend", "build_weights", "check_backend",
+           "kv_cache_bytes", "kv_shapes", "make_backend", "model_spec"]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Dimensions of one hybrid model; ``layer_types``/``mlp_types`` give the pattern of the built layers."""
+
+    name: str
+    hidden: int
+    vocab: int
+    layer_types: tuple[str, ...]  # "linear" | "full"
+    mlp_types: tuple[str, ...]  # "dense" | "moe"
+    family: str  # "gdn" | "kda"
+    lin_key_heads: int  # H
+    lin_value_heads: int  # HV
+    lin_head_dim: int  # K = V
+    conv_kernel: int
+    attn: str  # "gqa" | "mla"
+    attn_heads: int
+    attn_kv_heads: int = 0  # gqa
+    attn_head_dim: int = 0  # gqa
+    rope_dim: int = 0  # gqa: rotary dims of each head
+    kv_lora_rank: int = 0  # mla
+    qk_nope_dim: int = 0  # mla
+    qk_rope_dim: int = 0  # mla
+    v_head_dim: int = 0  # mla
+    intermediate: int = 0  # dense MLP
+    experts: int = 0
+    top_k: int = 0
+    moe_intermediate: int = 0
+    shared_experts: int = 0
+    routed_scale: float = 1.0
+    gate_rank: int = 0  # kda: low-rank forget/output gate projections (head_dim)
+    eps: float = 1e-6
+    real_layers: int = 0
+    real_pattern: str = ""
+    source: str = ""
+
+    @property
+    def layers(self) -> int:
+        return len(self.layer_types)
+
+    def to_dict(self) -> dict:
+        from dataclasses import asdict
+
+        out = asdict(self)
+        out["layer_types"] = list(self.layer_types)
+        out["mlp_types"] = list(self.mlp_types)
+        out["layers"] = self.layers
+        return out
+
+
+QWEN_SOURCE = (
+    "Qwen/Qwen3.5-9B config.json text_config (hidden_size 4096, 32 layers, full_attention_interval 4, "
+    "linear_num_key_heads 16, linear_num_value_heads 32, linear_key/value_head_dim 128, "
+    "linear_conv_kernel_dim 4, num_attention_heads 16, num_key_value_heads 4, head_dim 256, "
+    "attn_output_gate true, partial_rotary_factor 0.25, intermediate_size 12288, vocab_size 248320, "
+    "untied LM head), as quoted in public test fixtures; equal to transformers 5.17 Qwen3_5TextConfig "
+    "defaults ('Qwen3.5-9B style configuration')"
+)
+KIMI_SOURCE = (
+    "moonshotai/Kimi-Linear-48B-A3B-Instruct config.json (hidden_size 2304, 27 layers, linear_attn_config "
+    "full_attn_layers [4,8,12,16,20,24,27] (1-based), KDA num_heads 32 head_dim 128 short_conv 4; MLA "
+    "32 heads, kv_lora_rank 512, q_lora_rank null, qk_nope 128, qk_rope 64, v_head_dim 128, mla_use_nope; "
+    "num_experts 256, num_experts_per_token 8, num_shared_experts 1, moe_intermediate_size 1024, sigmoid "
+    "router, moe_renormalize, routed_scaling_factor 2.446, first_k_dense_replace 1, intermediate_size 9216, "
+    "vocab_size 163840, untied), as quoted in public test fixtures (Megatron-Bridge, mlx); transformers "
+    "5.17 KimiLinearConfig defaults and modeling_kimi_linear for the layer structure"
+)
+
+
+def _pattern(layers: int, every: int = 4) -> tuple[str, ...]:
+    """Every ``every``-th layer (1-based) is full attention: 3 linear : 1 full for both models."""
+    return tuple("full" if (i + 1) % every == 0 else "linear" for i in range(layers))
+
+
+def model_spec(name: str, layers: int = 8, tiny: bool = False) -> ModelSpec:
+    """The ``layers``-layer version of a model (real pattern); ``tiny`` shrinks every width for CPU tests."""
+    if layers < 1:
+        raise LeapQuantError(f"bench decode: layers must be >= 1, got {layers}")
+    types = _pattern(layers)
+    if name == "qwen35-9b":
+        spec = ModelSpec(
+            name=name, hidden=4096, vocab=248320, layer_types=types, mlp_types=("dense",) * layers,
+            family="gdn", lin_key_heads=16, lin_value_heads=32, lin_head_dim=128, conv_kernel=4,
+            attn="gqa", attn_heads=16, attn_kv_heads=4, attn_head_dim=256, rope_dim=64, intermediate=12288,
+            eps=1e-6, real_layers=32, real_pattern="24 GDN + 8 full (every 4th)", source=QWEN_SOURCE,
+        )  # fmt: skip
+        tiny_dims = dict(lin_key_heads=2, lin_value_heads=4, attn_kv_heads=2, attn_head_dim=32, rope_dim=8)
+    elif name == "kimi-linear-48b":
+        spec = ModelSpec(
+            name=name, hidden=2304, vocab=163840, layer_types=types,
+            mlp_types=tuple("dense" if i == 0 else "moe" for i in range(layers)), family="kda",
+            lin_key_heads=32, lin_value_heads=32, lin_head_dim=128, conv_kernel=4, attn="mla", attn_heads=32,
+            kv_lora_rank=512, qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128, intermediate=9216,
+            experts=256, top_k=8, moe_intermediate=1024, shared_experts=1, routed_scale=2.446, gate_rank=128,
+            eps=1e-5, real_layers=27, real_pattern="20 KDA + 7 MLA (every 4th and the last)",
+            source=KIMI_SOURCE,
+        )  # fmt: skip
+        tiny_dims = dict(lin_key_heads=4, lin_value_heads=4, kv_lora_rank=32, qk_nope_dim=16, qk_rope_dim=16,
+                         v_head_dim=16, experts=8, top_k=2, moe_intermediate=32, gate_rank=32)  # fmt: skip
+    else:
+        raise LeapQuantError(f"bench decode: unknown model {name!r}; use one of {', '.join(MODELS)}")
+    if tiny:  # every width shrunk, the structure kept
+        spec = replace(spec, name=spec.name + "-tiny", hidden=64, vocab=128, lin_head_dim=32, attn_heads=4,
+                       intermediate=96, **tiny_dims)  # fmt: skip
+    return spec
+
+
+MODELS = ("qwen35-9b", "kimi-linear-48b")
+
+
+def _lin_dims(spec: ModelSpec) -> tuple[int, int, int]:
+    """(conv channels, in-projection width, value width) of a linear-attention layer."""
+    kd = spec.lin_key_heads * spec.lin_head_dim
+    vd = spec.lin_value_heads * spec.lin_head_dim
+    conv = 2 * kd + vd
+    if spec.family == "gdn":  # [q k v | z | b | a]
+        return conv, conv + vd + 2 * spec.lin_value_heads, vd
+    return conv, conv + 2 * spec.gate_rank + spec.lin_value_heads, vd  # [q k v | f_a | g_a | b]
+
+
+def build_weights(spec: ModelSpec, device, seed: int = 0) -> dict:
+    """Random bf16 weights (``[out, in]``, std ``1/sqrt(in)`` so activations keep unit scale).
+
+    ``device="meta"`` gives the shapes alone (parameter counts)."""
+    device = torch.device(device)
+    gen = None if device.type == "meta" else torch.Generator(device=device).manual_seed(seed)
+    bf = torch.bfloat16
+
+    def lin(out_f: int, in_f: int, *lead: int) -> torch.Tensor:
+        w = torch.empty(*lead, out_f, in_f, dtype=bf, device=device)
+        return w.normal_(0.0, in_f**-0.5, generator=gen)
+
+    def ones(n: int) -> torch.Tensor:
+        return torch.ones(n, dtype=bf, device=device)
+
+    d, hv, kd = spec.hidden, spec.lin_value_heads, spec.lin_head_dim
+    w: dict = {
+        "embed": torch.empty(spec.vocab, d, dtype=bf, device=device).normal_(generator=gen),
+        "lm_head": lin(spec.vocab, d),
+        "final_norm": ones(d),
+        "layers": [],
+    }
+    for kind, mlp in zip(spec.layer_types, spec.mlp_types):
+        lw: dict = {"norm1": ones(d), "norm2": ones(d)}
+        if kind == "linear":
+            conv, width, vd = _lin_dims(spec)
+            lw["in"] = lin(width, d)
+            lw["conv"] = torch.empty(conv, spec.conv_kernel, dtype=bf, device=device).normal_(
+                0.0, spec.conv_kernel**-0.5, generator=gen
+            )
+            lw["A_log"] = torch.empty(hv, device=device).uniform_(1.0, 16.0, generator=gen).log()
+            lw["o_norm"] = torch.ones(kd, device=device)  # fp32: the gated norm runs in fp32
+            lw["out"] = lin(d, vd)
+            if spec.family == "gdn":
+                lw["dt_bias"] = torch.ones(hv, device=device)
+            else:
+                lw["dt_bias"] = torch.empty(hv * kd, device=device).uniform_(-4.0, -1.0, generator=gen)
+                lw["f_b"] = lin(vd, spec.gate_rank)
+                lw["g_b"] = lin(vd, spec.gate_rank)
+        elif spec.attn == "gqa":
+            hd = spec.attn_head_dim
+            lw["qkv"] = lin(2 * spec.attn_heads * hd + 2 * spec.attn_kv_heads * hd, d)  # [q | gate | k | v]
+            lw["q_norm"], lw["k_norm"] = ones(hd), ones(hd)
+            lw["o"] = lin(d, spec.attn_heads * hd)
+        else:
+            nh, lat = spec.attn_heads, spec.kv_lora_rank
+            lw["q"] = lin(nh * (spec.qk_nope_dim + spec.qk_rope_dim), d)
+            lw["kv_a"] = lin(lat + spec.qk_rope_dim, d)
+            lw["kv_norm"] = ones(lat)
+            lw["w_uk"] = lin(lat, spec.qk_nope_dim, nh).transpose(1, 2).contiguous()  # [nh, nope, lat]
+            lw["w_uv"] = lin(spec.v_head_dim, lat, nh).transpose(1, 2).contiguous()  # [nh, lat, v]
+            lw["o"] = lin(d, nh * spec.v_head_dim)
+        if mlp == "dense":
+            lw["gate_up"] = lin(2 * spec.intermediate, d)
+            lw["down"] = lin(d, spec.intermediate)
+        else:
+            e, inter = spec.experts, spec.moe_intermediate
+            lw["router"] = torch.empty(e, d, device=device).normal_(0.0, d**-0.5, generator=gen)
+            lw["experts_gate_up"] = lin(2 * inter, d, e).transpose(1, 2).contiguous()  # [E, d, 2I]
+            lw["experts_down"] = lin(d, inter, e).transpose(1, 2).contiguous()  # [E, I, d]
+            shared = inter * spec.shared_experts
+            lw["gate_up"] = lin(2 * shared, d)
+            lw["down"] = lin(d, shared)
+        w["layers"].append(lw)
+    return w
+
+
+# ----------------------------------------------------------------------------------------------- state
+
+
+@dataclass
+class StateBackend:
+    """The states of every linear-attention layer for ``batch`` sequences, and the kernel that steps them.
+
+    ``name``: ``fp32`` (FLA's ``fused_recurrent_*`` on an fp32 ``[B, HV, K, V]`` state; the torch
+    reference where FLA or CUDA is missing), ``bf16`` / ``<fmt>-per-step`` (our per-step kernels,
+    ``fmt`` in fp32/bf16/int8) or a LeapQuant method (``leapquant-int8``, ``int8/w16``, ...).
+    ``impl`` says what ran.  Calling ``backend(layer, q, k, v, g, beta)`` with ``q, k [B, H, K]``,
+    ``v [B, HV, V]``, ``g [B, HV]`` (GDN) or ``[B, HV, K]`` (KDA) log decays and ``beta [B, HV]`` returns
+    ``o [B, HV, V]`` in ``v``'s dtype and updates the layer's state in place (FLA's public op writes a new
+    fp32 final state instead, which is dropped: the same bytes as an in-place update, no copy back).
+    """
+
+    name: str
+    impl: str
+    family: str
+    states: list = field(default_factory=list)
+    slots: torch.Tensor | None = None
+    kernel_backend: str = "auto"
+
+    def __call__(self, layer: int, q, k, v, g, beta) -> torch.Tensor:
+        st = self.states[layer]
+        if self.impl == "fla":
+            kw = dict(initial_state=st, output_final_state=True, use_qk_l2norm_in_kernel=True)
+            q, k, v, g, beta = q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None]
+            if self.family == "gdn":
+                from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fn
+            else:
+                from fla.ops.kda import fused_recurrent_kda as fn
+            return fn(q, k, v, g=g, beta=beta, **kw)[0][:, 0]  # g and beta by keyword (FLA's order differs)
+        if self.impl == "reference-fp32":
+            return _fp32_reference(st, q, k, v, g, beta)
+        if self.impl.startswith("per-step"):
+            from ..ops.per_step_decode import per_step_decode
+
+            return per_step_decode(st, self.slots, q, k, v, g, beta, backend=self.kernel_backend)
+        from ..ops.leapquant_decode import leapquant_decode
+
+        return leapquant_decode(st, self.slots, q, k, v, g, beta, validate=False, backend=self.kernel_backend)
+
+    def load(self, states: list[torch.Tensor]) -> None:
+        """Set every layer's state from full-precision ``[B, HV, K, V]`` tensors (window position 0)."""
+        for st, s in zip(self.states, states):
+            if self.impl in ("fla", "reference-fp32"):
+                st.copy_(s)
+            elif self.impl.startswith("per-step"):
+                st.load(self.slots, s)
+            else:
+                from ..ops.leapquant_decode import load_states
+
+                load_states(st, self.slots, s, backend=self.kernel_backend)
+
+    def nbytes(self) -> int:
+        """Bytes held by the states of all layers."""
+        tensors = []
+        for st in self.states:
+            if isinstance(st, torch.Tensor):
+                tensors.append(st)
+            else:  # a LeapQuant pool (tensors) or a per-step pool (state, scale)
+                tensors += list(getattr(st, "tensors", {}).values()) or [st.state, st.scale]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def _fp32_reference(state, q, k, v, g, beta) -> torch.Tensor:
+    """FLA semantics on an fp32 ``[B, HV, K, V]`` state, in place: decay, delta read, write, read out."""
+    from ..recurrences import l2norm
+
+    hv, d_k = v.shape[1], q.shape[-1]
+    q = l2norm(q.float()).repeat_interleave(hv // q.shape[1], dim=1) * d_k**-0.5
+    k = l2norm(k.float()).repeat_interleave(hv // k.shape[1], dim=1)
+    decay = g.float().exp()
+    state.mul_(decay[..., None] if g.ndim == 3 else decay[..., None, None])
+    u = beta.float()[..., None] * (v.float() - torch.einsum("bhkv,bhk->bhv", state, k))
+    state.add_(k[..., :, None] * u[..., None, :])
+    return torch.einsum("bhkv,bhk->bhv", state, q).to(v.dtype)
+
+
+def _fla_available() -> bool:
+    try:
+        import fla.ops.gated_delta_rule
+        import fla.ops.kda  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def check_backend(name: str) -> None:
+    """Raise :class:`LeapQuantError` unless ``name`` is a state backend :func:`make_backend` can build."""
+    if name in ("fp32", "bf16"):
+        return
+    if name.endswith("-per-step"):
+        if name[: -len("-per-step")] not in ("fp32", "bf16", "int8"):
+            raise LeapQuantError(
+                f"bench decode: unknown backend {name!r} (per-step: fp32/bf16/int8-per-step)"
+            )
+        return
+    from ..ops.pool import PoolConfig
+
+    try:
+        PoolConfig.from_method(name, 1)
+    except LeapQuantError as exc:
+        raise LeapQuantError(
+            f"bench decode: unknown backend {name!r} (use fp32, bf16, <fmt>-per-step or a method: {exc})"
+        ) from None
+
+
+def make_backend(
+    name: str, spec: ModelSpec, batch: int, device, *, seed: int = 0, kernel_backend: str = "auto"
+) -> StateBackend:
+    """Allocate the states of ``spec``'s linear layers for ``batch`` sequences, filled with plausible content.
+
+    LeapQuant pools get random payloads and window positions spread uniformly over ``0..P-1`` (as
+    ``bench kernel`` does), so ``1/P`` of the heads close a window at every step, as under continuous
+    batching; the other states get random values.
+    """
+    device = torch.device(device)
+    gen = torch.Generator(device=device).manual_seed(seed + 7)
+    n_lin = spec.layer_types.count("linear")
+    hv, kd = spec.lin_value_heads, spec.lin_head_dim
+    slots = torch.arange(batch, dtype=torch.int32, device=device)
+    if name == "fp32":
+        if device.type != "cuda" or kernel_backend == "reference":
+            impl = "reference-fp32"
+        elif _fla_available():
+            impl = "fla"
+        else:  # a GPU without FLA: our per-step fp32 kernel (same state bytes), labelled as such
+            name, impl = "fp32-per-step", None
+        if impl is not None:
+            states = [torch.randn(batch, hv, kd, kd, generator=gen, device=device) for _ in range(n_lin)]
+            return StateBackend("fp32", impl, spec.family, states, slots, kernel_backend)
+    if name == "bf16":
+        name = "bf16-per-step"
+    if name.endswith("-per-step"):
+        from ..ops.per_step_decode import PerStepPool
+
+        fmt = name[: -len("-per-step")]
+        states = []
+        for _ in range(n_lin):
+            pool = PerStepPool.allocate(fmt, batch, hv, kd, kd, device)
+            pool.state.copy_(torch.randn(pool.state.shape, generator=gen, device=device).to(pool.state.dtype))
+            states.append(pool)
+        return StateBackend(name, f"per-step-{fmt}", spec.family, states, slots, kernel_backend)
+    from ..ops.pool import LeapQuantPool, PoolConfig
+    from .kernel import _randomize
+
+    cfg = PoolConfig.from_method(name, hv, kd, kd, "vector" if spec.family == "kda" else "scalar")
+    states = []
+    for _ in range(n_lin):
+        pool = LeapQuantPool.allocate(cfg, batch, device)
+        _randomize(pool, gen)
+        states.append(pool)
+    return StateBackend(name, "leapquant", spec.family, states, slots, kernel_backend)
+
+
+# ----------------------------------------------------------------------------------------------- model
+
+
+def kv_shapes(spec: ModelSpec, batch: int, context: int) -> list[tuple[int, ...]]:
+    """Shapes of one full-attention layer's cache tensors: GQA ``K, V [B, kv_heads, ctx, head_dim]``; MLA one
+    latent ``[B, ctx, kv_lora_rank + qk_rope_dim]``."""
+    if spec.attn == "gqa":
+        return [(batch, spec.attn_kv_heads, context, spec.attn_head_dim)] * 2
+    return [(batch, context, spec.kv_lora_rank + spec.qk_rope_dim)]
+
+
+def kv_cache_bytes(spec: ModelSpec, batch: int, context: int) -> int:
+    """bf16 bytes of the KV caches of every full-attention layer."""
+    per_layer = sum(math.prod(s) for s in kv_shapes(spec, batch, context))
+    return 2 * spec.layer_types.count("full") * per_layer
+
+
+class DecodeModel:
+    """Weights, caches and static inputs for one decode step of ``batch`` sequences at ``context`` tokens.
+
+    ``step()`` returns logits ``[B, vocab]`` (or the final hidden state ``[B, hidden]`` when ``"lm_head"``
+    is skipped).  Every tensor it reads is allocated here, so the step can be captured in a CUDA graph.
+    """
+
+    def __init__(self, spec: ModelSpec, weights: dict, batch: int, context: int, device, *, seed: int = 0,
+                 moe: str = "grouped", moe_capacity: int | None = None):  # fmt: skip
+        if context < 1 or batch < 1:
+            raise LeapQuantError(f"bench decode: batch and context must be >= 1, got {batch}, {context}")
+        if moe not in ("grouped", "padded"):
+            raise LeapQuantError(f"bench decode: moe must be grouped or padded, got {moe!r}")
+        self.spec, self.w, self.batch, self.context = spec, weights, batch, context
+        self.device = torch.device(device)
+        self.moe, self.skip = moe, set()
+        self.backend: StateBackend | None = None
+        self.record_state_inputs: list | None = None  # set to [] to record each state call's inputs
+        pairs = batch * max(spec.top_k, 1)
+        cap = moe_capacity or min(pairs, 16 * math.ceil(2 * pairs / max(spec.experts, 1) / 16))
+        self.moe_capacity = cap
+        gen = torch.Generator(device=self.device).manual_seed(seed + 1)
+        bf = torch.bfloat16
+        self.tokens = torch.randint(0, spec.vocab, (batch,), generator=gen, device=self.device)
+        self.conv_states, self.caches = [], []
+        conv, _, _ = _lin_dims(spec)
+        for kind in spec.layer_types:
+            if kind == "linear":
+                self.conv_states.append(
+                    torch.randn(batch, conv, spec.conv_kernel, generator=gen, device=self.device).to(bf)
+                )
+                self.caches.append(None)
+            else:
+                self.conv_states.append(None)
+                shape = self.kv_shape()
+                self.caches.append(tuple(torch.empty(s, dtype=bf, device=self.device).normal_(generator=gen)
+                                         for s in shape))  # fmt: skip
+        hv, kd = spec.lin_value_heads, spec.lin_head_dim
+        self._zero_o = torch.zeros(batch, hv, kd, dtype=bf, device=self.device)
+        if spec.attn == "gqa":
+            self._zero_attn = torch.zeros(
+                batch, spec.attn_heads * spec.attn_head_dim, dtype=bf, device=device
+            )
+            half = spec.rope_dim // 2
+            inv = 1e7 ** (-torch.arange(half, device=self.device, dtype=torch.float32) / half)
+            ang = (context - 1) * inv  # every sequence decodes its token at position context - 1
+            self._cos, self._sin = ang.cos().to(bf), ang.sin().to(bf)
+        else:
+            self._zero_attn = torch.zeros(batch, spec.attn_heads, spec.kv_lora_rank, dtype=bf, device=device)
+        self._zero_x = torch.zeros(batch, spec.hidden, dtype=bf, device=self.device)
+
+    def kv_shape(self) -> list[tuple[int, ...]]:
+        return kv_shapes(self.spec, self.batch, self.context)
+
+    # -- pieces ------------------------------------------------------------------------------------
+
+    def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), w, self.spec.eps)
+
+    def _conv(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """Causal depthwise conv1d update: shift the ``[B, C, W]`` window by one token, dot, SiLU."""
+        st = self.conv_states[i]
+        win = torch.cat([st[:, :, 1:], x[:, :, None]], dim=-1)
+        st.copy_(win)
+        return F.silu((win * self.w["layers"][i]["conv"]).sum(-1))
+
+    def _linear_mixer(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        s, lw = self.spec, self.w["layers"][i]
+        b, h, hv, kd = x.shape[0], s.lin_key_heads, s.lin_value_heads, s.lin_head_dim
+        conv, _, vd = _lin_dims(s)
+        proj = F.linear(x, lw["in"])
+        y = self._conv(i, proj[:, :conv])
+        q, k, v = y.split([h * kd, h * kd, vd], dim=-1)
+        q, k, v = q.view(b, h, kd), k.view(b, h, kd), v.view(b, hv, kd)
+        a_log = lw["A_log"].float().exp()
+        if s.family == "gdn":
+            z, beta, a = proj[:, conv:].split([vd, hv, hv], dim=-1)
+            g = -a_log * F.softplus(a.float() + lw["dt_bias"])
+            gate = F.silu(z.float())
+        else:
+            f_a, g_a, beta = proj[:, conv:].split([s.gate_rank, s.gate_rank, hv], dim=-1)
+            f = F.linear(f_a, lw["f_b"]).float() + lw["dt_bias"]
+            g = -a_log[:, None] * F.softplus(f.view(b, hv, kd))
+            gate = torch.sigmoid(F.linear(g_a, lw["g_b"]).float())
+        beta = torch.sigmoid(beta)
+        if self.record_state_inputs is not None:
+            self.record_state_inputs.append((q, k, v, g, beta))
+        if "state" in self.skip:
+            o = self._zero_o
+        else:
+            o = self.backend(self._lin_index[i], q, k, v, g, beta)
+        o = F.rms_norm(o.float(), (kd,), lw["o_norm"], s.eps) * gate.view(b, hv, kd)
+        return F.linear(o.to(x.dtype).view(b, vd), lw["out"])
+
+    def _gqa(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        s, lw = self.spec, self.w["layers"][i]
+        b, nq, nkv, hd = x.shape[0], s.attn_heads, s.attn_kv_heads, s.attn_head_dim
+        q, gate, k, v = F.linear(x, lw["qkv"]).split([nq * hd, nq * hd, nkv * hd, nkv * hd], dim=-1)
+        q, k = (
+            self._rope(self._rms(q.view(b, nq, hd), lw["q_norm"])),
+            self._rope(self._rms(k.view(b, nkv, hd), lw["k_norm"])),
+        )
+        kc, vc = self.caches[i]
+        kc[:, :, -1] = k
+        vc[:, :, -1] = v.view(b, nkv, hd)
+        if "attention" in self.skip:
+            out = self._zero_attn
+        else:  # the query heads of one KV head ride in the query-length axis: each KV head is read once
+            qg = q.view(b, nkv, nq // nkv, hd)
+            out = self._sdpa(qg, kc, vc).reshape(b, nq * hd)
+        return F.linear(out * torch.sigmoid(gate), lw["o"])
+
+    def _sdpa(self, q, k, v) -> torch.Tensor:
+        if self.device.type != "cuda":
+            return F.scaled_dot_product_attention(q, k, v)
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+            return F.scaled_dot_product_attention(q, k, v)
+
+    def _rope(self, x: torch.Tensor) -> torch.Tensor:
+        half = self.spec.rope_dim // 2
+        x1, x2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
+        c, s = self._cos, self._sin
+        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s, rest], dim=-1)
+
+    def _mla(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """Absorbed MLA decode: ``q_nope W_UK`` against the latent cache, values read back as latents."""
+        s, lw = self.spec, self.w["layers"][i]
+        b, nh, lat = x.shape[0], s.attn_heads, s.kv_lora_rank
+        q = F.linear(x, lw["q"]).view(b, nh, s.qk_nope_dim + s.qk_rope_dim)
+        kv = F.linear(x, lw["kv_a"])
+        (cache,) = self.caches[i]
+        cache[:, -1] = torch.cat([self._rms(kv[:, :lat], lw["kv_norm"]), kv[:, lat:]], dim=-1)
+        if "attention" in self.skip:
+            out = self._zero_attn
+        else:
+            scale = (s.qk_nope_dim + s.qk_rope_dim) ** -0.5
+            q_lat = torch.bmm(q[..., : s.qk_nope_dim].transpose(0, 1), lw["w_uk"]).transpose(0, 1)
+            qf = torch.cat([q_lat, q[..., s.qk_nope_dim :]], dim=-1) * scale  # [B, nh, lat + rope]
+            p = torch.softmax(torch.bmm(qf, cache.transpose(1, 2)), dim=-1)  # bf16 out, fp32 inside
+            out = torch.bmm(p, cache[:, :, :lat])  # [B, nh, lat]
+        o = torch.bmm(out.transpose(0, 1), lw["w_uv"]).transpose(0, 1)  # [B, nh, v]
+        return F.linear(o.reshape(b, nh * s.v_head_dim), lw["o"])
+
+    def _mlp(self, x: torch.Tensor, lw: dict) -> torch.Tensor:
+        a, u = F.linear(x, lw["gate_up"]).chunk(2, dim=-1)
+        return F.linear(F.silu(a) * u, lw["down"])
+
+    def _moe(self, x: torch.Tensor, lw: dict) -> torch.Tensor:
+        """Sigmoid top-k routing, experts over tokens sorted by expert, plus the shared expert."""
+        s = self.spec
+        b, e, k = x.shape[0], s.experts, s.top_k
+        scores = torch.sigmoid(F.linear(x.float(), lw["router"]))
+        weight, idx = scores.topk(k, dim=-1)
+        weight = weight / (weight.sum(-1, keepdim=True) + 1e-20) * s.routed_scale
+        flat = idx.flatten()
+        expert, order = flat.sort(stable=True)
+        counts = torch.zeros(e, dtype=torch.int32, device=x.device).scatter_add_(
+            0, flat, torch.ones_like(flat, dtype=torch.int32)
+        )
+        xs = x[order // k]  # [B*k, d], grouped by expert
+        if self.moe == "grouped":
+            grouped = getattr(F, "grouped_mm", None) or torch._grouped_mm
+            offs = counts.cumsum(0, dtype=torch.int32)
+            a, u = grouped(xs, lw["experts_gate_up"], offs=offs).chunk(2, dim=-1)
+            ys = grouped((F.silu(a) * u).contiguous(), lw["experts_down"], offs=offs)
+        else:
+            ys = self._moe_padded(xs, expert, counts, lw)
+        out = torch.empty_like(ys)
+        out[order] = ys
+        routed = (out.view(b, k, -1).float() * weight[..., None]).sum(1).to(x.dtype)
+        return routed + self._mlp(x, lw)
+
+    def _moe_padded(self, xs, expert, counts, lw) -> torch.Tensor:
+        """Experts as one ``bmm`` over ``[E, capacity, d]`` buffers; pairs past the capacity are dropped."""
+        e, cap, d = self.spec.experts, self.moe_capacity, xs.shape[1]
+        n = xs.shape[0]
+        start = counts.cumsum(0) - counts
+        rank = torch.arange(n, device=xs.device) - start[expert]
+        keep = rank < cap
+        dest = torch.where(keep, expert * cap + rank, e * cap)  # dropped pairs go to a spare row
+        buf = xs.new_zeros(e * cap + 1, d)
+        buf[dest] = xs
+        a, u = torch.bmm(buf[:-1].view(e, cap, d), lw["experts_gate_up"]).chunk(2, dim=-1)
+        h = torch.bmm(F.silu(a) * u, lw["experts_down"]).view(e * cap, d)
+        return torch.cat([h, h.new_zeros(1, d)])[dest] * keep[:, None].to(h.dtype)
+
+    # -- the step --------------------------------------------------------------------------------
+
+    @property
+    def _lin_index(self) -> dict[int, int]:
+        if not hasattr(self, "_lin_map"):
+            lin = [i for i, t in enumerate(self.spec.layer_types) if t == "linear"]
+            self._lin_map = {layer: j for j, layer in enumerate(lin)}
+        return self._lin_map
+
+    def step(self) -> torch.Tensor:
+        """One decode token for every sequence: logits ``[B, vocab]`` (bf16)."""
+        if self.backend is None and "state" not in self.skip:
+            raise LeapQuantError("bench decode: no state backend set (or skip 'state')")
+        s, w = self.spec, self.w
+        x = w["embed"][self.tokens]
+        for i, (kind, mlp) in enumerate(zip(s.layer_types, s.mlp_types)):
+            lw = w["layers"][i]
+            h = self._rms(x, lw["norm1"])
+            if kind == "linear":
+                x = x + self._linear_mixer(i, h)
+            else:
+                x = x + (self._gqa(i, h) if s.attn == "gqa" else self._mla(i, h))
+            h = self._rms(x, lw["norm2"])
+            if "mlp" in self.skip:
+                x = x + self._zero_x
+            else:
+                x = x + (self._mlp(h, lw) if mlp == "dense" else self._moe(h, lw))
+        if "lm_head" in self.skip:
+            return x
+        return F.linear(self._rms(x, w["final_norm"]), w["lm_head"])

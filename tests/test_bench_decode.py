@@ -1,0 +1,226 @@
+"""``leapquant bench decode`` on the CPU: tiny hybrid models, every state backend, the CLI and its JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from leapquant.bench.decode import DecodeModel, build_weights, make_backend, model_spec
+from leapquant.cli.main import main
+
+BACKENDS = ("fp32", "bf16", "int8-per-step", "leapquant-int8")
+MODELS = ("qwen35-9b", "kimi-linear-48b")
+B, CTX = 3, 8
+
+
+def _tiny(name: str, long_memory: bool = True):
+    spec = model_spec(name, 8, tiny=True)
+    weights = build_weights(spec, "cpu", seed=0)
+    if long_memory:  # decays near 1 (exp(-0.02 softplus(.))): the state, not the current token, drives o
+        for lw in weights["layers"]:
+            if "A_log" in lw:
+                lw["A_log"].fill_(-4.0)
+    return spec, weights
+
+
+def _states(spec, seed: int = 5) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    hv, kd = spec.lin_value_heads, spec.lin_head_dim
+    n = spec.layer_types.count("linear")
+    return [0.5 * torch.randn(B, hv, kd, kd, generator=gen) for _ in range(n)]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def test_specs_have_the_real_dimensions_and_pattern():
+    qwen, kimi = model_spec("qwen35-9b"), model_spec("kimi-linear-48b")
+    assert qwen.layer_types == ("linear", "linear", "linear", "full") * 2 and qwen.mlp_types == ("dense",) * 8
+    assert (qwen.hidden, qwen.lin_key_heads, qwen.lin_value_heads, qwen.lin_head_dim) == (4096, 16, 32, 128)
+    assert (qwen.attn_heads, qwen.attn_kv_heads, qwen.attn_head_dim, qwen.vocab) == (16, 4, 256, 248320)
+    assert kimi.layer_types == qwen.layer_types and kimi.mlp_types == ("dense",) + ("moe",) * 7
+    assert (kimi.hidden, kimi.lin_value_heads, kimi.experts, kimi.top_k, kimi.kv_lora_rank) == (
+        2304,
+        32,
+        256,
+        8,
+        512,
+    )
+    # parameter counts of the full-depth models from the shapes alone: Qwen3.5-9B's language model holds
+    # 8.95B parameters; Kimi-Linear-48B-A3B about 48-49B, ~3B of them active per token
+    full = build_weights(model_spec("qwen35-9b", 32), "meta")
+    assert _count(full) == pytest.approx(8.95e9, rel=0.01)
+    kw = build_weights(model_spec("kimi-linear-48b", 27), "meta")
+    routed = sum(lw[k].numel() for lw in kw["layers"] for k in lw if k.startswith("experts_"))
+    assert _count(kw) == pytest.approx(48.5e9, rel=0.03)
+    assert 2.8e9 < _count(kw) - routed + routed * 8 / 256 < 3.6e9
+
+
+def _count(weights: dict) -> int:
+    return sum(t.numel() for lw in weights["layers"] for t in lw.values()) + sum(
+        t.numel() for k, t in weights.items() if k != "layers"
+    )
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_a_step_runs_for_every_backend_and_stays_finite(name):
+    spec, weights = _tiny(name, long_memory=False)
+    model = DecodeModel(spec, weights, B, CTX, "cpu")
+    for backend in BACKENDS:
+        model.backend = make_backend(backend, spec, B, "cpu", kernel_backend="reference")
+        for _ in range(3):  # the state, conv state and KV cache are updated in place
+            logits = model.step()
+        assert logits.shape == (B, spec.vocab) and logits.dtype == torch.bfloat16
+        assert torch.isfinite(logits).all(), backend
+    for skip in ({"state"}, {"attention"}, {"mlp"}, {"state", "lm_head"}):
+        model.skip = skip
+        out = model.step()
+        assert torch.isfinite(out).all()
+        assert out.shape == ((B, spec.hidden) if "lm_head" in skip else (B, spec.vocab))
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_quantized_states_agree_with_fp32_from_the_same_state(name):
+    """Every linear layer's state output on identical inputs: LeapQuant/bf16/int8 states loaded from the fp32
+    states differ only by their quantization; the control (a zero state) shows the check can fail."""
+    spec, weights = _tiny(name)
+    states = _states(spec)
+    model = DecodeModel(spec, weights, B, CTX, "cpu", seed=1)
+    model.backend = make_backend("fp32", spec, B, "cpu", kernel_backend="reference")
+    model.backend.load(states)
+    model.record_state_inputs = []
+    model.step()
+    inputs = model.record_state_inputs
+    assert len(inputs) == spec.layer_types.count("linear")
+
+    def outputs(backend: str, loaded: list[torch.Tensor]) -> list[torch.Tensor]:
+        be = make_backend(backend, spec, B, "cpu", kernel_backend="reference")
+        be.load(loaded)
+        return [be(j, *x) for j, x in enumerate(inputs)]
+
+    ref = outputs("fp32", states)
+    for backend, tol in (("leapquant-int8", 1.5e-2), ("bf16", 1e-2), ("int8-per-step", 1.5e-2)):
+        errs = [_rel(o, r) for o, r in zip(outputs(backend, states), ref)]
+        assert max(errs) < tol, (backend, errs)
+    control = [_rel(o, r) for o, r in zip(outputs("leapquant-int8", [0 * s for s in states]), ref)]
+    assert min(control) > 0.3, control
+
+
+def test_logits_of_leapquant_and_fp32_agree_on_the_dense_model():
+    """Whole-step logits (Qwen3.5-shaped, dense: no routing flips) from the same state."""
+    spec, weights = _tiny("qwen35-9b")
+    states = _states(spec)
+
+    def logits(backend: str, loaded) -> torch.Tensor:
+        model = DecodeModel(spec, weights, B, CTX, "cpu", seed=1)  # same tokens, conv states and caches
+        model.backend = make_backend(backend, spec, B, "cpu", kernel_backend="reference")
+        model.backend.load(loaded)
+        return model.step().float()
+
+    ref = logits("fp32", states)
+    assert _rel(logits("leapquant-int8", states), ref) < 0.05
+    assert _rel(logits("leapquant-int8", [0 * s for s in states]), ref) > 0.3
+
+
+@pytest.mark.parametrize("backend", ["leapquant-int8", "int8-per-step"])
+def test_triton_kernels_in_the_step_match_the_reference(backend):
+    """The path a GPU runs (Triton kernels, ``validate=False``), through the interpreter, on every layer's
+    recorded inputs of one step of the Qwen3.5-shaped model."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        pytest.skip("needs TRITON_INTERPRET=1 on the CPU")
+    spec, weights = _tiny("qwen35-9b")
+    states = [s[:2] for s in _states(spec)]
+    model = DecodeModel(spec, weights, 2, CTX, "cpu", seed=1)
+    model.skip, model.record_state_inputs = {"state"}, []
+    model.step()
+    out = {}
+    for key in ("reference", "triton", "fp32"):
+        name, impl = ("fp32", "reference") if key == "fp32" else (backend, key)
+        be = make_backend(name, spec, 2, "cpu", kernel_backend=impl)
+        be.load(states)
+        out[key] = [be(j, *x) for j, x in enumerate(model.record_state_inputs)]
+    for tri, ref, exact in zip(out["triton"], out["reference"], out["fp32"]):
+        assert _rel(tri, ref) < 5e-3 and _rel(tri, exact) < 1.5e-2
+
+
+def test_grouped_and_padded_moe_agree():
+    spec, weights = _tiny("kimi-linear-48b")
+    out = {}
+    for moe in ("grouped", "padded"):
+        model = DecodeModel(spec, weights, B, CTX, "cpu", seed=1, moe=moe, moe_capacity=B * spec.top_k)
+        model.backend = make_backend("fp32", spec, B, "cpu", kernel_backend="reference")
+        out[moe] = model.step().float()
+    assert _rel(out["padded"], out["grouped"]) < 1e-2
+
+
+def test_cli_writes_json_markdown_and_plot(tmp_path, capsys):
+    out = tmp_path / "decode.json"
+    args = "bench decode --tiny --model both --batch 2 --context 8,16 --backends leapquant-int8 fp32 "
+    args += "--state-impl reference --repeats 1 --warmup 0 --profile"
+    args = [*args.split(), "--json", str(out), "--markdown", str(tmp_path / "d.md")]
+    args += ["--plot", str(tmp_path / "d.png")]
+    assert main(args) == 0
+    assert "NOT meaningful" in capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert {"rows", "configs", "models", "settings", "timing_note", "provenance"} <= report.keys()
+    assert len(report["configs"]) == 4 and len(report["rows"]) == 8  # 2 models x 2 contexts x 2 backends
+    row_keys = {"model", "batch", "context", "backend", "impl", "ms", "tokens_per_s", "speedup_vs_fp32",
+                "state_ms", "state_share", "state_ms_isolated", "state_share_isolated", "finite",
+                "extrapolated_full_depth_speedup"}  # fmt: skip
+    for row in report["rows"]:
+        assert row_keys <= row.keys(), row_keys - row.keys()
+        assert row["finite"] and row["tokens_per_s"] > 0
+    assert [r["backend"] for r in report["rows"][:2]] == ["fp32", "leapquant-int8"]  # fp32 runs first
+    assert report["rows"][0]["speedup_vs_fp32"] == 1.0 and report["rows"][0]["impl"] == "reference-fp32"
+    cfg = report["configs"][0]
+    assert {"no_state", "lm_head_ms", "attention_ms", "mlp_ms", "kv_cache_bytes"} <= cfg.keys()
+    assert report["models"]["kimi-linear-48b-tiny"]["mlp_types"][0] == "dense"
+    assert "| context | batch |" in (tmp_path / "d.md").read_text()
+    assert (tmp_path / "d.png").stat().st_size > 1000
+
+
+def test_cli_refuses_real_sizes_without_a_gpu_and_bad_numbers(capsys):
+    if not torch.cuda.is_available():
+        assert main(["bench", "decode", "--model", "qwen35-9b"]) == 2
+        assert "needs a CUDA GPU" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "decode", "--tiny", "--batch", "0"])
+    assert main(["bench", "decode", "--tiny", "--backends", "fp32", "int3-per-step"]) == 2
+    assert main(["bench", "decode", "--tiny", "--backends", "int9/w16"]) == 2
+    assert "unknown backend" in capsys.readouterr().err
+
+
+def test_roofline_and_the_where_the_time_goes_table(tmp_path):
+    """The roofline of a real-size model from its shapes (meta weights), and the Markdown table using it."""
+    from types import SimpleNamespace
+
+    from leapquant.bench.decode_run import decode_markdown, roofline
+
+    spec = model_spec("qwen35-9b")
+    model = SimpleNamespace(spec=spec, batch=512, context=4096, w=build_weights(spec, "meta"))
+    fp32, lq = roofline(model, "fp32", 4000.0, 800.0), roofline(model, "leapquant-int8", 4000.0, 800.0)
+    state_fp32 = 6 * 512 * 32 * 128 * 128 * 8  # fp32 state read + written by 6 GDN layers
+    assert state_fp32 < fp32["state"]["bytes"] < 1.01 * state_fp32
+    assert fp32["attention"]["bytes"] == 2 * 2 * 512 * 4 * 4096 * 256 * 2  # 2 layers x (K, V), bf16
+    assert (
+        fp32["gemm"]["ideal_ms"] == lq["gemm"]["ideal_ms"]
+        and lq["state"]["bytes"] < fp32["state"]["bytes"] / 3
+    )
+    assert 1.0 < fp32["ideal_ms"] / lq["ideal_ms"] < 1.4
+
+    out = tmp_path / "r.json"
+    args = "bench decode --tiny --model qwen35-9b --batch 2 --context 8 --backends fp32 leapquant-int8 "
+    args += f"--state-impl reference --repeats 1 --warmup 0 --profile --json {out}"
+    assert main(args.split()) == 0
+    report = json.loads(out.read_text())
+    report["copy_gbps"], report["gemm_tflops"] = 4000.0, 800.0
+    for row in report["rows"]:
+        row["roofline"] = {"ideal_ms": 1.0, "state": {"ideal_ms": 0.1}}
+        row["profile"] = {"by_class_ms": {"gemm": 0.5}, "gaps_ms": 0.1}
+    text = decode_markdown(report)
+    assert "Where the time goes" in text and text.count("| qwen35-9b-tiny | 8 | 2 |") == 2
