@@ -18,7 +18,6 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from leapquant.ops.leapquant_decode import close_rows as cr
 from leapquant.ops.leapquant_decode import close_tile as ct
 from leapquant.ops.leapquant_decode import fused_recurrent as lq
 
@@ -72,22 +71,9 @@ def main() -> None:
     for rank, decay, warps in ((4, False, 8), (4, False, 16), (4, True, 8), (8, False, 8), (0, False, 8)):
         consts = dict(K=128, V=128, P=16, R=rank, BP=16, BR=16, ITERS=1, RESIDUAL=2, SMOOTH=True,
                       VECTOR_DECAY=decay, DOT="tf32x3")  # fmt: skip
-        usage = resources(ct.close_tile_kernel, tile_ptrs, {"smooth_floor": "fp32", "qmax": "fp32"}, consts, warps)
+        scalars = {"smooth_floor": "fp32", "qmax": "fp32"}
+        usage = resources(ct.close_tile_kernel, tile_ptrs, scalars, consts, warps)
         print(f"tile close, r={rank}, {'vector' if decay else 'scalar'} decay, {warps} warps: {usage}")
-    rows_ptrs = dict(common, close_list="*i32", close_count="*i32", zpart="*fp32", qbuf="*fp32", ubuf="*fp16",
-                     cpart="*fp32")  # fmt: skip
-    shapes = dict(K=128, V=128, P=16, R=4, BV=16, BP=16, BR=16, RESIDUAL=2, SMOOTH=True, VECTOR_DECAY=False,
-                  DOT="tf32x3")  # fmt: skip
-    for name, kernel, scalars, consts in (
-        ("fit", cr.close_rows_fit, {}, shapes),
-        ("orth", cr.close_rows_orth, {}, dict(K=128, V=128, R=4, BV=16, BR=16)),
-        ("resid", cr.close_rows_resid, {}, shapes),
-        ("quant", cr.close_rows_quant, {"smooth_floor": "fp32", "qmax": "fp32"}, shapes),
-        ("commit", cr.close_rows_commit, {"smooth_floor": "fp32"}, dict(K=128, V=128, R=4, BV=16, BR=16,
-                                                                       SMOOTH=True)),
-    ):  # fmt: skip
-        usage = resources(kernel, rows_ptrs, scalars, consts, 4)
-        print(f"rows close {name}, r=4, BV=16 (the default), 4 warps: {usage}")
 
 
 if __name__ == "__main__":

@@ -54,9 +54,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     k.add_argument("--close-bv", type=int, default=None, help="launch: value rows per close chunk")
     k.add_argument("--close-warps", type=int, default=None, help="launch: warps per close program")
     k.add_argument("--close-programs", type=int, default=None, help="launch: close programs per SM")
-    k.add_argument(
-        "--close", choices=("persistent", "rows", "tile"), default=None, help="launch: window-close path"
-    )
+    k.add_argument("--close", choices=("persistent", "tile"), default=None, help="launch: window-close path")
     k.add_argument(
         "--tune",
         action="store_true",
@@ -296,7 +294,6 @@ STEP_SHAPES = (
 CLOSE_SHAPES = (
     (32, 8, 1, "tf32x3", "persistent"),
     (32, 8, 1, "ieee", "persistent"),
-    (32, 8, 1, "tf32x3", "rows"),
     (32, 8, 1, "tf32x3", "tile"),
     (32, 16, 1, "tf32x3", "tile"),
     (32, 8, 1, "ieee", "tile"),

@@ -35,7 +35,7 @@ __all__ = [
     "stdlib_text",
 ]
 
-DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "checkpoints" / "qwen35-hybrid-tiny"
+DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "checkpoints" / "qwen35-gdn-hybrid-byte"
 DEFAULT_EVAL_METHODS = ("bf16", "bf16/w16", "int8", "int8/w16", "int8/w16+ct4", "leapquant-int8")
 
 

@@ -216,23 +216,6 @@ class LeapQuantPool:
             )
         return self.__dict__["_close_list"]
 
-    def rows_workspace(self, capacity: int, chunks: int, rank: int) -> tuple[torch.Tensor, ...]:
-        """Row-parallel close buffers for ``capacity`` closing heads: per-chunk power-iteration partials,
-        keys, fp16 token values, per-chunk column sums (grown on demand, never shrunk)."""
-        key = ("_rows", chunks, rank)
-        held = self.__dict__.get(key)
-        if held is None or held[0].shape[0] < capacity:
-            cfg = self.config
-            f32 = dict(dtype=torch.float32, device=self.device)
-            held = (
-                torch.zeros(capacity, chunks, rank, cfg.d_k, **f32),
-                torch.zeros(capacity, rank, cfg.d_k, **f32),
-                torch.zeros(capacity, rank, cfg.d_v, dtype=torch.float16, device=self.device),
-                torch.zeros(capacity, chunks, cfg.d_k, **f32),
-            )
-            self.__dict__[key] = held
-        return held
-
     def workspace(self, programs: int, rank_block: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Close-kernel scratch: fp32 ``[programs, V, K]`` and ``[programs, rank_block, V]``."""
         key = ("_workspace", programs, rank_block)

@@ -41,11 +41,8 @@ class LaunchConfig:
         fast_cvt: int8 -> fp32 through exponent bits (integer add + fp add) instead of the conversion unit.
         dot: precision of the window-close matrix products: ``"ieee"`` (fp32 FMAs) or ``"tf32x3"``
             (three tf32 tensor-core products, fp32-level accuracy).
-        close: ``"persistent"`` (one program walks each closing head, ``close_kernel``) or ``"rows"`` (each
-            closing head split into value-row chunks over five short launches, ``close_rows.py``; one power
-            iteration per boundary only).
-        rows_bv: value rows per chunk of the ``"rows"`` close.
-        rows_warps: warps per program of the ``"rows"`` close.
+        close: ``"persistent"`` (``close_kernel``: a program walks each closing head through a scratch tile in
+            value-row chunks) or ``"tile"`` (``close_tile_kernel``: the head's whole state in registers).
         tile_warps: warps per program of the ``"tile"`` close (each holds a head's whole state in registers,
             ``close_tile.py``).
         tile_programs_per_sm: persistent ``"tile"`` close programs per multiprocessor.
@@ -60,20 +57,20 @@ class LaunchConfig:
     fast_cvt: bool = True
     dot: str = "tf32x3"
     close: str = "persistent"
-    rows_bv: int = 16
-    rows_warps: int = 4
     tile_warps: int = 8
     tile_programs_per_sm: int = 2
 
     @classmethod
     def tuned(cls, decay: str) -> LaunchConfig:
         """The shapes ``bench kernel --tune`` picked on the H200 (BENCHMARKS.md) for GDN or KDA pools."""
-        return cls(step_bv=16, step_warps=2) if decay == "scalar" else cls()
+        if decay == "scalar":
+            return cls(step_bv=16, step_warps=2, close="tile")
+        return cls(close="tile")
 
     def __post_init__(self) -> None:
-        if self.close not in ("persistent", "rows", "tile"):
-            raise LeapQuantError(f"launch: close must be persistent, rows or tile, got {self.close!r}")
-        for name in ("step_bv", "step_warps", "close_bv", "close_warps", "rows_warps", "tile_warps"):
+        if self.close not in ("persistent", "tile"):
+            raise LeapQuantError(f"launch: close must be persistent or tile, got {self.close!r}")
+        for name in ("step_bv", "step_warps", "close_bv", "close_warps", "tile_warps"):
             x = getattr(self, name)
             if x < 1 or x & (x - 1):
                 raise LeapQuantError(f"launch: {name} must be a power of two, got {x}")
@@ -172,9 +169,6 @@ def _launch_close(pool: LeapQuantPool, n: int, launch: LaunchConfig) -> None:
     from ...methods.smoothing import SMOOTHING_FLOOR
     from .fused_recurrent import RESIDUAL_CODES, close_kernel
 
-    if launch.close == "rows" and pool.config.power_iters == 1:
-        _launch_close_rows(pool, n, launch)
-        return
     if launch.close == "tile":
         _launch_close_tile(pool, n, launch)
         return
@@ -217,42 +211,6 @@ def _launch_close_tile(pool: LeapQuantPool, n: int, launch: LaunchConfig) -> Non
         K=cfg.d_k, V=cfg.d_v, P=cfg.window, R=cfg.compensators, BP=_pow2(cfg.window, 16),
         BR=_pow2(cfg.compensators, 16), ITERS=cfg.power_iters, RESIDUAL=code, SMOOTH=cfg.smoothing,
         VECTOR_DECAY=cfg.decay == "vector", DOT=launch.dot, num_warps=launch.tile_warps,
-    )  # fmt: skip
-
-
-def _launch_close_rows(pool: LeapQuantPool, n: int, launch: LaunchConfig) -> None:
-    from ...methods.smoothing import SMOOTHING_FLOOR
-    from . import close_rows as cr
-    from .fused_recurrent import RESIDUAL_CODES
-
-    cfg = pool.config
-    t = pool.tensors
-    dummy = t["pos"]
-    code, qmax = RESIDUAL_CODES[cfg.residual]
-    bv = min(cfg.d_v, launch.rows_bv)
-    nc = cfg.d_v // bv
-    rank = max(cfg.compensators, 1)
-    cap = n * cfg.heads
-    zpart, qbuf, ubuf, cpart = pool.rows_workspace(cap, nc, rank)
-    list_, count = pool.close_list()
-    grid = (max(1, min(cap * nc, _close_grid(pool, n, launch) * 8)),)
-    shapes = dict(K=cfg.d_k, V=cfg.d_v, P=cfg.window, R=cfg.compensators, BV=bv, BP=_pow2(cfg.window, 16),
-                  BR=_pow2(cfg.compensators, 16), RESIDUAL=code, SMOOTH=cfg.smoothing,
-                  VECTOR_DECAY=cfg.decay == "vector", DOT=launch.dot,
-                  num_warps=launch.rows_warps)  # fmt: skip
-    state = (t["payload"], t.get("scale", dummy), t.get("smooth", dummy), t.get("comp_k", dummy),
-             t.get("comp_u", dummy), t["rec_g"], t["rec_k"], t["rec_u"])  # fmt: skip
-    if cfg.compensators:
-        cr.close_rows_fit[grid](list_, count, zpart, *state, **shapes)
-        cr.close_rows_orth[grid](count, zpart, qbuf, K=cfg.d_k, V=cfg.d_v, R=cfg.compensators, BV=bv,
-                                 BR=shapes["BR"], num_warps=launch.rows_warps)  # fmt: skip
-    if cfg.compensators or cfg.smoothing:
-        cr.close_rows_resid[grid](list_, count, qbuf, ubuf, cpart, *state, **shapes)
-    cr.close_rows_quant[grid](list_, count, qbuf, ubuf, cpart, *state, SMOOTHING_FLOOR, qmax, **shapes)
-    cr.close_rows_commit[grid](
-        list_, count, qbuf, ubuf, cpart, t.get("smooth", dummy), t.get("comp_k", dummy),
-        t.get("comp_u", dummy), t["pos"], SMOOTHING_FLOOR, K=cfg.d_k, V=cfg.d_v, R=cfg.compensators, BV=bv,
-        BR=shapes["BR"], SMOOTH=cfg.smoothing, num_warps=launch.rows_warps,
     )  # fmt: skip
 
 

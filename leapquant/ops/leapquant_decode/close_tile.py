@@ -41,8 +41,28 @@ def close_tile_kernel(
     for idx in range(pid, count, nprog):
         i_s = tl.load(close_list + idx).to(tl.int64)
         b_s = _boundary_rows(
-            i_s, o_v, o_k, P, payload, scale_v, smooth, comp_k, comp_u, rec_g, rec_k, rec_u,
-            K, V, P, R, BP, BR, RESIDUAL, SMOOTH, VECTOR_DECAY, DOT,
+            i_s,
+            o_v,
+            o_k,
+            P,
+            payload,
+            scale_v,
+            smooth,
+            comp_k,
+            comp_u,
+            rec_g,
+            rec_k,
+            rec_u,
+            K,
+            V,
+            P,
+            R,
+            BP,
+            BR,
+            RESIDUAL,
+            SMOOTH,
+            VECTOR_DECAY,
+            DOT,
         )  # fmt: skip  [V, K]: the state after the window (eq. 7)
         if R > 0:
             b_usable = _usable(i_s, comp_u, True, V, R, V, BR)
