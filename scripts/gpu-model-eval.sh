@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# On the GPU machine (see RESULTS.md): `leapquant eval` of the shipped checkpoints, the paper's Table 2
+# ablation and the 8/6/4-bit comparison of its Table 1, one process per (model, table) side by side (each
+# process is bound by kernel launches, the GPU and 16 cores have room for all of them). Every process writes
+# its JSON at each of 32 curve points, so a run cut by EVAL_SECONDS keeps what it measured ("complete": false).
+set -uo pipefail
+out=${OUT:-out}; mkdir -p "$out"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+# each process is launch-bound: without a cap, 8 processes x 16 intra-op threads oversubscribe the 16 cores
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
+if [ -f .triton-cache/cache.tgz ]; then mkdir -p ~/.triton && tar xzf .triton-cache/cache.tgz -C ~/.triton; fi
+tokens=${TOKENS:-16384}
+table2="-m bf16 -m bf16/w16 -m int8 -m int8/w16 -m int8/w16+ct4 -m leapquant-int8 --generate int8 --generate leapquant-int8"
+bits8="-m int8 -m mxfp8 -m kvquant-int8 -m quarot-int8 -m turboquant-8 -m leapquant-int8"
+bits6="-m int6 -m mxfp6-e2m3 -m nvfp6 -m kvquant-int6 -m quarot-int6 -m turboquant-6 -m leapquant-int6"
+bits4="-m int4 -m mxfp4 -m nvfp4 -m kvquant-int4 -m quarot-int4 -m turboquant-4 -m leapquant-int4"
+pids=()
+for model in ${MODELS:-qwen35-gdn-hybrid-byte kimi-kda-hybrid-byte}; do
+  for table in ${TABLES:-table2 bits8 bits6 bits4}; do
+    timeout "${EVAL_SECONDS:-480}" python3 -m leapquant eval --model "checkpoints/$model" ${!table} \
+      --tokens "$tokens" --quiet --json "$out/eval-$model-$table.json" > "$out/eval-$model-$table.log" 2>&1 &
+    pids+=($!)
+  done
+done
+for p in "${pids[@]}"; do wait "$p"; done
+tail -n 14 "$out"/eval-*.log
+# the device returns at most 8 files: one archive holds every JSON and log
+tar czf "$out/eval.tgz" -C "$out" $(cd "$out" && ls eval-*) && rm -f "$out"/eval-*
