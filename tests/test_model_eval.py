@@ -7,8 +7,6 @@ import json
 import pytest
 import torch
 
-pytest.importorskip("transformers")
-
 from leapquant.cli.main import main
 from leapquant.eval.model_eval import EvalConfig, evaluate_model, load_model, stdlib_text
 from leapquant.traces import load_trace

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-pytest.importorskip("transformers")
-
 from tiny_models import ARCHS, tiny_model
 
 import leapquant

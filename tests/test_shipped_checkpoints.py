@@ -1,0 +1,70 @@
+"""The checkpoints shipped under checkpoints/ (trained on the H200 by scripts/train_checkpoints.py).
+
+They load offline, ``fp32`` through the patch is the unpatched model, and on 2K teacher-forced tokens of
+held-out standard-library source per-step INT8 drifts clearly more than LeapQuant INT8: in KL against FP32
+and in the state of every linear-attention layer (each holds long-memory heads, median decay >= 0.99, see
+the model cards).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import leapquant
+from leapquant.eval.model_eval import DEFAULT_MODEL, EvalConfig, evaluate_model, load_model
+
+ROOT = Path(__file__).resolve().parents[1] / "checkpoints"
+CHECKPOINTS = ["qwen35-gdn-hybrid-byte", "kimi-kda-hybrid-byte"]
+
+
+@pytest.fixture(scope="module", params=CHECKPOINTS)
+def shipped(request):
+    path = ROOT / request.param
+    assert (path / "model.safetensors").stat().st_size < 15 * 2**20
+    model, tok = load_model(path, "cpu")
+    return request.param, path, model, tok
+
+
+def test_default_model_is_shipped():
+    assert DEFAULT_MODEL == ROOT / "qwen35-gdn-hybrid-byte" and (DEFAULT_MODEL / "config.json").is_file()
+
+
+def test_cards_report_long_memory_heads(shipped):
+    _, path, model, _ = shipped
+    stats = json.loads((path / "decay_stats.json").read_text())
+    card = (path / "README.md").read_text()
+    assert "bits/byte" in card and "Decay distribution" in card
+    assert stats["params"] == sum(p.numel() for p in model.parameters())
+    summary = stats["decay_summary"]
+    assert summary["median>=0.99"] >= summary["heads"] // 3  # long-memory heads, measured after training
+
+
+def test_fp32_patch_is_the_unpatched_model(shipped):
+    _, _, model, tok = shipped
+    ids = torch.tensor(
+        [tok("import os\nimport sys\n\n\ndef main(argv):\n    ", add_special_tokens=False)["input_ids"]]
+    )
+    with torch.no_grad():
+        ref = model.generate(ids, max_new_tokens=24, do_sample=False)
+        leapquant.patch(model, "fp32")
+        try:
+            got = model.generate(ids, max_new_tokens=24, do_sample=False)
+        finally:
+            leapquant.unpatch(model)
+    assert torch.equal(got, ref)
+
+
+def test_per_step_int8_drifts_more_than_leapquant_int8(shipped):
+    _, _, model, tok = shipped
+    report = evaluate_model(
+        model, tok, EvalConfig(methods=("int8", "leapquant-int8"), tokens=2048, prefill=64)
+    )
+    per_step, leap = report["methods"]["int8"], report["methods"]["leapquant-int8"]
+    assert per_step["kl"] > 5 * leap["kl"], (per_step["kl"], leap["kl"])
+    assert leap["top1_agreement"] > per_step["top1_agreement"]
+    for layer, err in leap["state_rel_err_by_layer"].items():
+        assert per_step["state_rel_err_by_layer"][layer] > 2 * err, layer
