@@ -167,3 +167,14 @@ def test_trace_replays_exactly(tiny_dir, tmp_path):
     assert rep["methods"]["fp32"]["output_rel_err"] < 1e-12
     assert rep["methods"]["int4"]["output_rel_err"] > 1e-4
     assert main(["trace", "--model", str(tiny_dir), "--tokens", "8", "--layers", "3", "--out", str(out)]) == 2
+
+
+def test_eval_report_markdown(tiny_dir, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert main(["eval", "--model", str(tiny_dir), "-m", "int4", "--tokens", "8", "--prefill", "4",
+                 "--json", str(out), "--quiet", "--device", "cpu"]) == 0  # fmt: skip
+    capsys.readouterr()
+    assert main(["eval-report", str(out)]) == 0
+    md = capsys.readouterr().out
+    assert "| `int4` | 0.531 |" in md and "8 teacher-forced tokens" in md
+    assert main(["eval-report", str(tmp_path / "missing.json")]) == 2

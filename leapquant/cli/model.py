@@ -39,6 +39,15 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run_eval)
 
     p = sub.add_parser(
+        "eval-report",
+        help="markdown tables from `leapquant eval` JSON files (RESULTS.md)",
+        description="One markdown table per JSON: method, bytes/element, KL, top-1 agreement, NLL, state "
+        "error, with the model, token count and device that produced it.",
+    )
+    p.add_argument("reports", nargs="+", metavar="JSON")
+    p.set_defaults(run=run_eval_report)
+
+    p = sub.add_parser(
         "trace",
         help="record a model's linear-attention records on a text into a trace file for `simulate`",
         description="Run TEXT through the model (its own chunked kernels, fp32) and save the general-form "
@@ -149,6 +158,47 @@ def run_eval(args: argparse.Namespace) -> int:
         from ..eval.plot import plot_model_state_error
 
         print(f"wrote {plot_model_state_error(report, args.plot)}")
+    return 0
+
+
+def eval_markdown(report: dict) -> str:
+    """A markdown table of one evaluation report."""
+    prov = report.get("provenance", {})
+    done = "" if report.get("complete", True) else " (cut short: partial report)"
+    lines = [
+        f"`{Path(report['model']).name}` ({report['architecture']}), {report['tokens']} teacher-forced "
+        f"tokens after a {report['prefill']}-token prompt{done}; "
+        f"FP32 NLL {report['fp32']['nll']:.4f} nats/token; "
+        f"{prov.get('device', '?')}, {prov.get('date_utc', '?')}, backend {report['backend']}.",
+        "",
+        "| method | bytes/elem | KL(fp32 \\|\\| m) nats/token | top-1 agreement | NLL nats/token "
+        "| state rel err |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name, row in report["methods"].items():
+        gen = row.get("generate")
+        extra = (
+            f" (greedy: {gen['agreement']:.3f} equal, first divergence {gen['first_divergence']})"
+            if gen
+            else ""
+        )
+        lines.append(
+            f"| `{name}`{extra} | {row['bytes_per_element']:.3f} | {row['kl']:.2e} "
+            f"| {row['top1_agreement']:.4f} | {row['nll']:.4f} | {row['state_rel_err']:.2e} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def run_eval_report(args: argparse.Namespace) -> int:
+    for path in args.reports:
+        p = Path(path)
+        if not p.is_file():
+            raise LeapQuantError(f"report {path} does not exist")
+        try:
+            report = json.loads(p.read_text())
+            print(eval_markdown(report))
+        except (json.JSONDecodeError, KeyError) as exc:
+            raise LeapQuantError(f"{path} is not a `leapquant eval` JSON report ({exc})") from None
     return 0
 
 
