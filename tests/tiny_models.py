@@ -12,7 +12,8 @@ def _quiet_ids() -> dict:
 
 
 def tiny_model(arch: str, *, seed: int = 0, d: int = 16, value_groups: int = 2, decay_scale: float = 1.0):
-    """A 4-layer (3 linear : 1 full attention) model with heads of ``d x d`` states, float32, eval mode.
+    """A 4-layer (3 linear : 1 full attention) model with heads of ``d x d`` states, float32, eval mode
+    (``qwen3_5_vl``: Qwen3_5ForConditionalGeneration with a one-block vision tower).
 
     ``decay_scale`` < 1 shrinks ``A_log``'s exp (longer memory) so quantization error can accumulate.
     """
@@ -56,6 +57,13 @@ def tiny_model(arch: str, *, seed: int = 0, d: int = 16, value_groups: int = 2, 
                 shared_expert_intermediate_size=32,
             )
             model = tf.Qwen3NextForCausalLM(tf.Qwen3NextConfig(**common, **gdn, **moe))
+    elif arch == "qwen3_5_vl":  # the multimodal model: its text path holds the GDN layers
+        gdn = dict(linear_num_key_heads=1, linear_num_value_heads=value_groups, linear_key_head_dim=d,
+                   linear_value_head_dim=d, linear_conv_kernel_dim=4)  # fmt: skip
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                      patch_size=4, temporal_patch_size=1, spatial_merge_size=1)  # fmt: skip
+        cfg = tf.Qwen3_5Config(text_config=dict(**common, **gdn), vision_config=vision)
+        model = tf.Qwen3_5ForConditionalGeneration(cfg)
     elif arch == "kimi_linear":
         cfg = tf.KimiLinearConfig(
             vocab_size=64,
@@ -88,4 +96,4 @@ def tiny_model(arch: str, *, seed: int = 0, d: int = 16, value_groups: int = 2, 
     return model.float().eval()
 
 
-ARCHS = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "kimi_linear")
+ARCHS = ("qwen3_5", "qwen3_5_vl", "qwen3_5_moe", "qwen3_next", "kimi_linear")
