@@ -570,9 +570,6 @@ def plot_decode(report: dict, path: str | Path) -> Path:
         ax.grid(True, axis="y", alpha=0.3)
         ax.margins(y=0.15)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    from ..eval.plot import save_figure
+
+    return save_figure(fig, path)

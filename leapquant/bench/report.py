@@ -143,9 +143,6 @@ def plot_kernel(report: dict, path: str | Path) -> Path:
         ax.set_title(f"{family.upper()} decode kernel, {report['provenance'].get('device')}", fontsize=9)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    from ..eval.plot import save_figure
+
+    return save_figure(fig, path)

@@ -4,7 +4,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["plot_model_state_error", "plot_state_error"]
+__all__ = ["plot_model_state_error", "plot_state_error", "save_figure"]
+
+def save_figure(fig, path: str | Path, bbox_inches: str | None = None) -> Path:
+    """Lay out, write (creating the folder) and close a matplotlib figure; returns the path."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, bbox_inches=bbox_inches)
+    plt.close(fig)
+    return path
+
 
 # Errors above this are divergence, not drift: the axis stops here so the others stay readable.
 CLIP = 10.0
@@ -44,12 +56,7 @@ def plot_state_error(report: dict, path: str | Path, title: str | None = None) -
         title or "State error against the exact trajectory (dashed: per-step, solid: per-window)", fontsize=9
     )
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), ncol=1 if len(rows) <= 18 else 2)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, bbox_inches="tight")
 
 
 def plot_model_state_error(report: dict, path: str | Path, title: str | None = None) -> Path:
@@ -87,9 +94,4 @@ def plot_model_state_error(report: dict, path: str | Path, title: str | None = N
         handles, labels, fontsize=7, loc="upper center", ncol=min(6, len(labels)), bbox_to_anchor=(0.5, 1.0)
     )
     fig.suptitle(title or f"{report['architecture']}: state error per layer", fontsize=9, y=1.04)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, bbox_inches="tight")

@@ -62,7 +62,7 @@ class NativeState:
         self.state = self.state[rows]
 
 
-class DequantizedState:
+class DequantizedState(NativeState):
     """A per-step method (window 1, no compensators) as the model's recurrent function followed by the
     format's round trip: ``S_t = dequant(quant(decay * S_{t-1} + k u^T))`` (paper eq. 2).
 
@@ -71,9 +71,8 @@ class DequantizedState:
     """
 
     def __init__(self, config: MethodConfig, recurrent_fn: Callable) -> None:
+        super().__init__(recurrent_fn)
         self.config = config
-        self.recurrent_fn = recurrent_fn
-        self.state: torch.Tensor | None = None
 
     def _round_trip(self, state: torch.Tensor) -> torch.Tensor:
         b, hv, d_k, d_v = state.shape
@@ -85,24 +84,9 @@ class DequantizedState:
         self.state = self._round_trip(state.float())
 
     def step(self, q, k, v, g, beta, use_qk_l2norm: bool = True) -> torch.Tensor:
-        out, state = self.recurrent_fn(
-            q[:, None],
-            k[:, None],
-            v[:, None],
-            g=g[:, None],
-            beta=beta[:, None],
-            initial_state=self.state,
-            output_final_state=True,
-            use_qk_l2norm_in_kernel=use_qk_l2norm,
-        )
-        self.state = self._round_trip(state.float())
-        return out[:, 0].float()
-
-    def materialize(self) -> torch.Tensor:
-        return self.state.clone()
-
-    def select_rows(self, rows: torch.Tensor) -> None:
-        self.state = self.state[rows]
+        out = super().step(q, k, v, g, beta, use_qk_l2norm)
+        self.state = self._round_trip(self.state.float())
+        return out
 
 
 class ReferenceState:

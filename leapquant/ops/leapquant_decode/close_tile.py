@@ -40,30 +40,11 @@ def close_tile_kernel(
     count = tl.load(close_count)
     for idx in range(pid, count, nprog):
         i_s = tl.load(close_list + idx).to(tl.int64)
+        # [V, K]: the state after the window (eq. 7)
         b_s = _boundary_rows(
-            i_s,
-            o_v,
-            o_k,
-            P,
-            payload,
-            scale_v,
-            smooth,
-            comp_k,
-            comp_u,
-            rec_g,
-            rec_k,
-            rec_u,
-            K,
-            V,
-            P,
-            R,
-            BP,
-            BR,
-            RESIDUAL,
-            SMOOTH,
-            VECTOR_DECAY,
-            DOT,
-        )  # fmt: skip  [V, K]: the state after the window (eq. 7)
+            i_s, o_v, o_k, P, payload, scale_v, smooth, comp_k, comp_u, rec_g, rec_k, rec_u,
+            K, V, P, R, BP, BR, RESIDUAL, SMOOTH, VECTOR_DECAY, DOT,
+        )  # fmt: skip
         if R > 0:
             b_usable = _usable(i_s, comp_u, True, V, R, V, BR)
             b_basis = _start_basis(i_s, o_r, o_v, comp_u, b_usable, True, V, R)  # [BR, V]
