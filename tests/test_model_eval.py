@@ -78,7 +78,8 @@ def test_eval_report(tiny_dir):
     assert set(rep["curves"]["layers"]) == {"0", "1", "2"}
     assert all(len(c) == 4 for c in rep["curves"]["layers"]["0"].values())
     g = int4["generate"]
-    assert g["tokens"] == 8 and 0 <= g["agreement"] <= 1
+    assert g["tokens"] == 8 and g["prompts"] == 8 and 0 <= g["agreement"] <= 1
+    assert len(g["first_divergence_per_prompt"]) == 8 and 0 <= g["first_divergence"] <= 8
     # NLL computed independently from one full forward of the unpatched model
     ids = torch.tensor(tok(stdlib_text(4 * 57)[0], add_special_tokens=False)["input_ids"][:57])
     with torch.no_grad():

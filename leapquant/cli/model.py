@@ -150,7 +150,7 @@ def run_eval(args: argparse.Namespace) -> int:
             g = row["generate"]
             print(
                 f"greedy {name} vs fp32: {g['agreement']:.3f} of {g['tokens']} tokens equal, "
-                f"first divergence {g['first_divergence']}"
+                f"median first divergence {g['first_divergence']:g} over {g['prompts']} prompts"
             )
     if args.json:
         print(f"wrote {args.json}")
@@ -178,7 +178,8 @@ def eval_markdown(report: dict) -> str:
     for name, row in report["methods"].items():
         gen = row.get("generate")
         extra = (
-            f" (greedy: {gen['agreement']:.3f} equal, first divergence {gen['first_divergence']})"
+            f" (greedy, {gen['prompts']} prompts: {gen['agreement']:.3f} equal, median first divergence "
+            f"{gen['first_divergence']:g})"
             if gen
             else ""
         )
