@@ -153,10 +153,13 @@ def evaluate_model(
     from ..methods import parse_method
 
     needed = config.prefill + config.tokens + 1
+    # greedy prompts are spread over at least 4 prompt lengths each, whatever the teacher-forced length
+    text_needed = max(needed, 4 * GREEDY_PROMPTS * config.prefill) if config.generate else needed
     files: list[str] = []
     if text is None:
-        text, files = stdlib_text(needed * 4)
-    ids = torch.tensor(_encode(tokenizer, text, needed, text_source), device=model.device)
+        text, files = stdlib_text(text_needed * 4)
+    all_ids = torch.tensor(_encode(tokenizer, text, text_needed, text_source), device=model.device)
+    ids = all_ids[:needed]
     rows = ("fp32", *config.methods)
     targets = ids.tolist()
     patched = patch(model, rows, backend=config.backend)
@@ -228,7 +231,8 @@ def evaluate_model(
                 if on_step is not None:
                     on_step(1)
             final = patched.states(cache)
-        generated = {m: _greedy_against_fp32(model, ids, m, config) for m in config.generate}
+        with torch.inference_mode():  # no autograd graph across hundreds of free-running steps
+            generated = {m: _greedy_against_fp32(model, all_ids, m, config) for m in config.generate}
     finally:
         unpatch(model)
     return report(config.tokens, final, generated)
