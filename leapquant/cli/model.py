@@ -178,8 +178,8 @@ def eval_markdown(report: dict) -> str:
     for name, row in report["methods"].items():
         gen = row.get("generate")
         extra = (
-            f" (greedy, {gen['prompts']} prompts: {gen['agreement']:.3f} equal, median first divergence "
-            f"{gen['first_divergence']:g})"
+            f" (greedy, {gen.get('prompts', 1)} prompts: {gen['agreement']:.3f} equal, median first "
+            f"divergence {gen['first_divergence'] if gen['first_divergence'] is not None else gen['tokens']:g})"
             if gen
             else ""
         )
