@@ -177,12 +177,13 @@ def eval_markdown(report: dict) -> str:
     ]
     for name, row in report["methods"].items():
         gen = row.get("generate")
-        extra = (
-            f" (greedy, {gen.get('prompts', 1)} prompts: {gen['agreement']:.3f} equal, median first "
-            f"divergence {gen['first_divergence'] if gen['first_divergence'] is not None else gen['tokens']:g})"
-            if gen
-            else ""
-        )
+        extra = ""
+        if gen:
+            first = gen["first_divergence"] if gen["first_divergence"] is not None else gen["tokens"]
+            extra = (
+                f" (greedy, {gen.get('prompts', 1)} prompts: {gen['agreement']:.3f} equal, median first "
+                f"divergence {first:g})"
+            )
         lines.append(
             f"| `{name}`{extra} | {row['bytes_per_element']:.3f} | {row['kl']:.2e} "
             f"| {row['top1_agreement']:.4f} | {row['nll']:.4f} | {row['state_rel_err']:.2e} |"
