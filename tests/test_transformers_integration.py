@@ -16,12 +16,12 @@ def _teacher_forced(model, ids: torch.Tensor, prefill: int):
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
-    torch.set_grad_enabled(False)
-    out = model(ids[:, :prefill], past_key_values=cache, use_cache=True)
-    logits = [out.logits[:, -1]]
-    for t in range(prefill, ids.shape[1]):
-        out = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
-        logits.append(out.logits[:, -1])
+    with torch.no_grad():
+        out = model(ids[:, :prefill], past_key_values=cache, use_cache=True)
+        logits = [out.logits[:, -1]]
+        for t in range(prefill, ids.shape[1]):
+            out = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+            logits.append(out.logits[:, -1])
     return torch.stack(logits, 1), cache
 
 
@@ -187,3 +187,17 @@ def test_per_step_fast_path_matches_reference(arch, method):
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
     for idx, st in states.items():
         assert ((st - ref_states[idx]).norm() / ref_states[idx].norm()) < 1e-3
+
+
+def test_last_unpatch_restores_the_modeling_functions():
+    import sys
+
+    model = tiny_model("qwen3_5")
+    module = sys.modules[type(model.model.layers[0].linear_attn).__module__]
+    before = module.torch_recurrent_gated_delta_rule
+    first, second = leapquant.patch(model, "int8"), leapquant.patch(tiny_model("qwen3_5", seed=1), "int8")
+    assert module.torch_recurrent_gated_delta_rule is not before
+    first.unpatch()
+    assert module.torch_recurrent_gated_delta_rule is not before  # the second patch still needs it
+    second.unpatch()
+    assert module.torch_recurrent_gated_delta_rule is before

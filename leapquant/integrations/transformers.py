@@ -15,9 +15,10 @@ Design (why it survives transformers' cache API changes): transformers' layers c
 functions (``torch_recurrent_gated_delta_rule`` and friends, FLA's when installed) with keyword arguments
 that match FLA's API. We wrap those module globals once with a dispatcher that passes through unless a
 patched layer is running (a context variable set by the patched layer's ``forward``), so unpatched models
-in the same process are untouched. The cache keeps, in place of each dense ``[B, HV, K, V]`` fp32 state,
-a ``[B, 1, 1, 1]`` tensor of row ids: the cache's own ``reorder_cache``/``batch_select_indices`` permute it,
-and the next step applies the same permutation to the quantized state. The quantized states themselves are
+in the same process are untouched; the last ``unpatch`` puts the original functions back. The cache keeps,
+in place of each dense ``[B, HV, K, V]`` fp32 state, a ``[B, 1, 1, 1]`` tensor of row ids: the cache's own
+``reorder_cache``/``batch_select_indices`` permute it, and the next step applies the same permutation to the
+quantized state. The quantized states themselves are
 held on the cache object (``cache._leapquant_states``), so every ``generate()`` call, which builds a new
 cache, starts fresh.
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import contextvars
 import sys
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -74,17 +76,30 @@ def linear_attention_layers(model: torch.nn.Module) -> list[tuple[int, torch.nn.
 # -- the module-global dispatchers -------------------------------------------------------------------
 
 
-def _install_dispatchers(module: torch.nn.Module) -> None:
-    kind = SUPPORTED_LAYERS[type(module).__name__]
-    namespace = sys.modules[type(module).__module__].__dict__
+# (modeling module name) -> number of live patches using its dispatchers; at zero the originals come back
+_DISPATCH_USERS: dict[str, int] = {}
+_LIVE_PATCHES: weakref.WeakSet = weakref.WeakSet()
+
+
+def _install_dispatchers(module_name: str, kind: _LayerKind) -> None:
+    namespace = sys.modules[module_name].__dict__
     for name, chunked in ((kind.chunk_fn, True), (kind.recurrent_fn, False)):
         current = namespace.get(name)
         if current is None:
-            raise LeapQuantError(
-                f"{type(module).__module__} has no {name}: this transformers version is not supported"
-            )
+            raise LeapQuantError(f"{module_name} has no {name}: this transformers version is not supported")
         if not getattr(current, "_leapquant_dispatcher", False):
             namespace[name] = _dispatcher(current, chunked)
+    _DISPATCH_USERS[module_name] = _DISPATCH_USERS.get(module_name, 0) + 1
+
+
+def _release_dispatchers(module_name: str, kind: _LayerKind) -> None:
+    _DISPATCH_USERS[module_name] -= 1
+    if _DISPATCH_USERS[module_name] == 0:
+        namespace = sys.modules[module_name].__dict__
+        for name in (kind.chunk_fn, kind.recurrent_fn):
+            if getattr(namespace.get(name), "_leapquant_dispatcher", False):
+                namespace[name] = namespace[name].__wrapped__
+        del _DISPATCH_USERS[module_name]
 
 
 def _dispatcher(original: Callable, chunked: bool) -> Callable:
@@ -242,8 +257,10 @@ class LeapQuantPatch:
         self.methods = methods
         self.backend = backend
         self._layers = [_PatchedLayer(self, idx, mod) for idx, mod in linear_attention_layers(model)]
-        for layer in self._layers:
-            _install_dispatchers(layer.module)
+        self._modules = {type(layer.module).__module__: layer.kind for layer in self._layers}
+        for module_name, kind in self._modules.items():
+            _install_dispatchers(module_name, kind)
+        _LIVE_PATCHES.add(self)
 
     @property
     def layers(self) -> list[int]:
@@ -267,6 +284,10 @@ class LeapQuantPatch:
         for layer in self._layers:
             layer.restore()
         self._layers = []
+        for module_name, kind in self._modules.items():
+            _release_dispatchers(module_name, kind)
+        self._modules = {}
+        _LIVE_PATCHES.discard(self)
         if getattr(self.model, "_leapquant_patch", None) is self:
             del self.model._leapquant_patch
 
