@@ -76,7 +76,11 @@ class DequantizedState(NativeState):
 
     def _round_trip(self, state: torch.Tensor) -> torch.Tensor:
         b, hv, d_k, d_v = state.shape
-        window = WindowedState(self.config, b * hv, d_k, d_v, dtype=torch.float32, device=state.device)
+        window = getattr(self, "_window", None)
+        if window is None or window.batch != b * hv or window.device != state.device:
+            # built once per shape, not per token: load() quantizes, the buffers are reused
+            window = WindowedState(self.config, b * hv, d_k, d_v, dtype=torch.float32, device=state.device)
+            self._window = window
         window.load(state.reshape(b * hv, d_k, d_v))
         return window.materialize().reshape(b, hv, d_k, d_v)
 
