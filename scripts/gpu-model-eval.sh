@@ -9,6 +9,15 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 # each process is launch-bound: without a cap, 8 processes x 16 intra-op threads oversubscribe the 16 cores
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 if [ -f .triton-cache/cache.tgz ]; then mkdir -p ~/.triton && tar xzf .triton-cache/cache.tgz -C ~/.triton; fi
+# Without MPS the GPU time-slices the eight contexts: every tiny kernel of a launch-bound process then waits
+# for a context switch (run 1 reached 1-2K tokens in 8 minutes). MPS lets their kernels share the GPU.
+if [ "${MPS:-1}" = 1 ] && command -v nvidia-cuda-mps-control >/dev/null; then
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  nvidia-cuda-mps-control -d && echo "MPS daemon started" && trap 'echo quit | nvidia-cuda-mps-control' EXIT
+else
+  echo "MPS not used: processes are time-sliced"
+fi
 tokens=${TOKENS:-16384}
 table2="-m bf16 -m bf16/w16 -m int8 -m int8/w16 -m int8/w16+ct4 -m leapquant-int8 --generate int8 --generate leapquant-int8"
 bits8="-m int8 -m mxfp8 -m kvquant-int8 -m quarot-int8 -m turboquant-8 -m leapquant-int8"
