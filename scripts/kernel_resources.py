@@ -18,6 +18,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from leapquant.ops.leapquant_decode import close_rank1 as c1
 from leapquant.ops.leapquant_decode import close_tile as ct
 from leapquant.ops.leapquant_decode import fused_recurrent as lq
 
@@ -36,8 +37,11 @@ def resources(kernel, pointers: dict, scalars: dict, consts: dict, warps: int) -
     for name, value in consts.items():
         types[name] = "constexpr"
         constexprs[(names.index(name),)] = value
-    compiled = triton.compile(ASTSource(fn=fn, signature=types, constexprs=constexprs), target=TARGET,
-                              options={"num_warps": warps})  # fmt: skip
+    # a launch specializes pointers to 16-byte alignment; without the hint loads do not vectorize and the
+    # registers counted here would be those of a kernel that never runs
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in pointers if n in names}
+    compiled = triton.compile(ASTSource(fn=fn, signature=types, constexprs=constexprs, attrs=attrs),
+                              target=TARGET, options={"num_warps": warps})  # fmt: skip
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(compiled.asm["cubin"])
     tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
@@ -74,6 +78,13 @@ def main() -> None:
         scalars = {"smooth_floor": "fp32", "qmax": "fp32"}
         usage = resources(ct.close_tile_kernel, tile_ptrs, scalars, consts, warps)
         print(f"tile close, r={rank}, {'vector' if decay else 'scalar'} decay, {warps} warps: {usage}")
+    for rank, decay, warps in ((4, False, 4), (4, False, 8), (4, False, 16), (4, True, 8), (8, False, 8),
+                               (0, False, 8)):  # fmt: skip
+        consts = dict(K=128, V=128, P=16, R=rank, BR=max(1, rank), ITERS=1, RESIDUAL=2, SMOOTH=True,
+                      VECTOR_DECAY=decay, STAGES=2)  # fmt: skip
+        scalars = {"smooth_floor": "fp32", "qmax": "fp32"}
+        usage = resources(c1.close_rank1_kernel, tile_ptrs, scalars, consts, warps)
+        print(f"rank-one close, r={rank}, {'vector' if decay else 'scalar'} decay, {warps} warps: {usage}")
 
 
 if __name__ == "__main__":

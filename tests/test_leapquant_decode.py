@@ -291,23 +291,26 @@ def test_gate_and_beta_activation_in_the_kernel(family):
 
 
 @pytest.mark.parametrize(
-    ("family", "residual", "rank", "smooth"),
+    ("family", "residual", "rank", "smooth", "iters"),
     [
-        pytest.param("gdn", "int8", 4, True, id="gdn-int8-r4-smooth"),
-        pytest.param("kda", "int4", 8, True, id="kda-int4-r8-smooth"),
-        pytest.param("gdn", "int8", 0, False, id="gdn-int8-r0"),
-        pytest.param("kda", "fp8-e4m3", 2, False, id="kda-fp8-r2"),
+        pytest.param("gdn", "int8", 4, True, 1, id="gdn-int8-r4-smooth"),
+        pytest.param("kda", "int4", 8, True, 1, id="kda-int4-r8-smooth"),
+        pytest.param("gdn", "int8", 0, False, 1, id="gdn-int8-r0"),
+        pytest.param("kda", "fp8-e4m3", 2, False, 1, id="kda-fp8-r2"),
+        pytest.param("gdn", "int8", 3, True, 3, id="gdn-int8-r3-smooth-3iters"),
     ],
 )
-def test_tile_close_matches_the_persistent_close(family, residual, rank, smooth):
-    """``LaunchConfig(close="tile")`` computes the same windows as the chunked persistent close."""
+@pytest.mark.parametrize("close", ["tile", "rank1"])
+def test_register_closes_match_the_persistent_close(family, residual, rank, smooth, iters, close):
+    """``LaunchConfig(close="tile")`` and ``close="rank1"`` compute the same windows as the chunked
+    persistent close."""
     from leapquant.ops.leapquant_decode import LaunchConfig
 
     gen = torch.Generator(device=DEVICE).manual_seed(rank)
     cfg = PoolConfig(heads=2, d_k=K, d_v=V, window=4, compensators=rank, smoothing=smooth, residual=residual,
-                     decay="vector" if family == "kda" else "scalar")  # fmt: skip
+                     decay="vector" if family == "kda" else "scalar", power_iters=iters)  # fmt: skip
     slots = torch.tensor([3, -1, 0], dtype=torch.int32, device=DEVICE)
-    launches = [LaunchConfig(close="tile", tile_warps=4), LaunchConfig(close="persistent")]
+    launches = [LaunchConfig(close=close, tile_warps=4, rank1_warps=4), LaunchConfig(close="persistent")]
     pools = [LeapQuantPool.allocate(cfg, 5, DEVICE) for _ in launches]
     s0 = torch.randn(3, 2, K, V, generator=gen, device=DEVICE)
     for pool in pools:

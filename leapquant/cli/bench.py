@@ -54,7 +54,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     k.add_argument("--close-bv", type=int, default=None, help="launch: value rows per close chunk")
     k.add_argument("--close-warps", type=int, default=None, help="launch: warps per close program")
     k.add_argument("--close-programs", type=int, default=None, help="launch: close programs per SM")
-    k.add_argument("--close", choices=("persistent", "tile"), default=None, help="launch: window-close path")
+    k.add_argument(
+        "--close", choices=("persistent", "tile", "rank1"), default=None, help="launch: window-close path"
+    )
     k.add_argument(
         "--tune",
         action="store_true",
@@ -282,21 +284,27 @@ def run_kernel(args: argparse.Namespace) -> int:
 
 # Launch shapes tried by --tune: (value rows per chunk, warps, pipeline stages, fast int8 conversion) of
 # the step kernel, then (value rows per chunk, warps, programs per SM, product precision, close kernel) of the
-# close path (the "tile" close has no row chunks: it holds the whole state).
+# close path (the "tile" and "rank1" closes have no row chunks: they hold the whole state; "rank1" has no
+# matrix products).
 STEP_SHAPES = (
-    (32, 4, 1, True),
     (32, 4, 2, True),
+    (32, 4, 4, True),
     (32, 4, 2, False),
     (16, 2, 2, True),
+    (16, 2, 4, True),
+    (16, 2, 8, True),
+    (16, 1, 2, True),
+    (8, 1, 4, True),
     (64, 8, 2, True),
-    (32, 8, 2, True),
 )
 CLOSE_SHAPES = (
     (32, 8, 1, "tf32x3", "persistent"),
-    (32, 8, 1, "ieee", "persistent"),
     (32, 8, 1, "tf32x3", "tile"),
-    (32, 16, 1, "tf32x3", "tile"),
-    (32, 8, 1, "ieee", "tile"),
+    (0, 8, 1, "", "rank1"),
+    (0, 8, 2, "", "rank1"),
+    (0, 16, 1, "", "rank1"),
+    (0, 4, 2, "", "rank1"),
+    (0, 4, 4, "", "rank1"),
 )
 
 
@@ -316,6 +324,8 @@ def _tune(case, launch, measure, report, con):
     for bv, warps, programs, dot, close in CLOSE_SHAPES:
         if close == "tile":
             shape = replace(best, tile_warps=warps, tile_programs_per_sm=programs, dot=dot, close=close)
+        elif close == "rank1":
+            shape = replace(best, rank1_warps=warps, rank1_programs_per_sm=programs, close=close)
         else:
             shape = replace(
                 best, close_bv=bv, close_warps=warps, close_programs_per_sm=programs, dot=dot, close=close
