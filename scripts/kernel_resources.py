@@ -56,7 +56,7 @@ def main() -> None:
                   comp_k="*fp16", comp_u="*fp16", payload=PAYLOAD[2])  # fmt: skip
     step_ptrs = dict(common, q="*bf16", k="*bf16", v="*bf16", g="*fp32", beta="*bf16", b_read="*i32",
                      o="*bf16", slots="*i32", close_list="*i32", close_count="*i32")  # fmt: skip
-    for decay, (bv, warps) in (("scalar", (16, 2)), ("vector", (32, 4))):
+    for decay, (bv, warps) in (("scalar", (8, 1)), ("scalar", (16, 2)), ("vector", (32, 4))):
         consts = dict(H=16, HV=32, K=128, V=128, P=16, R=4, BV=bv, BP=16, BR=4, NATIVE=True,
                       USE_QK_L2NORM=True, BETA_SIGMOID=False, RESIDUAL=2, SMOOTH=True, READ_PRE=False,
                       ADVANCE=True, STAGES=2,
@@ -78,10 +78,9 @@ def main() -> None:
         scalars = {"smooth_floor": "fp32", "qmax": "fp32"}
         usage = resources(ct.close_tile_kernel, tile_ptrs, scalars, consts, warps)
         print(f"tile close, r={rank}, {'vector' if decay else 'scalar'} decay, {warps} warps: {usage}")
-    for rank, decay, warps in ((4, False, 4), (4, False, 8), (4, False, 16), (4, True, 8), (8, False, 8),
-                               (0, False, 8)):  # fmt: skip
+    for rank, decay, warps in ((4, False, 4), (4, True, 4), (8, False, 4), (0, False, 4), (4, False, 8)):
         consts = dict(K=128, V=128, P=16, R=rank, BR=max(1, rank), ITERS=1, RESIDUAL=2, SMOOTH=True,
-                      VECTOR_DECAY=decay, STAGES=2)  # fmt: skip
+                      VECTOR_DECAY=decay)  # fmt: skip
         scalars = {"smooth_floor": "fp32", "qmax": "fp32"}
         usage = resources(c1.close_rank1_kernel, tile_ptrs, scalars, consts, warps)
         print(f"rank-one close, r={rank}, {'vector' if decay else 'scalar'} decay, {warps} warps: {usage}")

@@ -78,6 +78,7 @@ CASES = [
     pytest.param("gdn", "bf16", 4, 0, False, 3, 2, 2, id="gdn-bf16-p4-r0"),
     pytest.param("gdn", "int8", 16, 4, True, 3, 1, 2, id="gdn-int8-p16-r4-smooth"),
     pytest.param("kda", "int8", 8, 0, True, 3, 2, 2, id="kda-int8-p8-r0-smooth"),
+    pytest.param("gdn", "int6", 4, 4, True, 3, 1, 2, id="gdn-int6-p4-r4-smooth"),
 ]
 if FULL:
     CASES += [
@@ -147,7 +148,7 @@ def test_kernel_matches_reference_and_tracks_the_exact_state(
             assert rel(dense["triton"], dense["reference"]) < 0.5 * rel(dense["reference"], truth)
 
 
-@pytest.mark.parametrize("residual", ["int8", "int4", "fp8-e4m3", "bf16", "fp32"])
+@pytest.mark.parametrize("residual", ["int8", "int6", "int4", "fp8-e4m3", "bf16", "fp32"])
 def test_prefill_handoff_codes_are_bit_exact(residual):
     """Without tokens or smoothing the kernel's quantization must equal the format's, code for code."""
     cfg = PoolConfig(heads=2, d_k=K, d_v=V, window=4, compensators=0, smoothing=False, residual=residual)

@@ -179,3 +179,31 @@ def test_eval_report_markdown(tiny_dir, tmp_path, capsys):
     md = capsys.readouterr().out
     assert "| `int4` | 0.531 |" in md and "8 teacher-forced tokens" in md
     assert main(["eval-report", str(tmp_path / "missing.json")]) == 2
+
+
+def test_eval_split_over_processes_merges_into_one_report(tiny_dir, tmp_path, capsys):
+    """Methods split over runs (one process each on the GPU) merge into the report of one joint run."""
+    common = ["eval", "--model", str(tiny_dir), "--tokens", "12", "--prefill", "4", "--quiet",
+              "--device", "cpu"]  # fmt: skip
+    paths = {name: tmp_path / f"{name}.json" for name in ("joint", "a", "b", "merged")}
+    assert main([*common, "-m", "int4", "-m", "int8", "--json", str(paths["joint"])]) == 0
+    assert main([*common, "-m", "int4", "--json", str(paths["a"])]) == 0
+    assert main([*common, "-m", "int8", "--json", str(paths["b"])]) == 0
+    capsys.readouterr()
+    assert main(["eval-report", str(paths["a"]), str(paths["b"]), "--merge", str(paths["merged"])]) == 0
+    assert capsys.readouterr().out.count("| `int") == 2  # one table with both methods
+    joint, merged = (json.loads(paths[n].read_text()) for n in ("joint", "merged"))
+    assert merged["complete"] and list(merged["methods"]) == ["int4", "int8"]
+    for name in ("int4", "int8"):
+        for key in ("kl", "nll", "state_rel_err", "top1_agreement"):
+            got, want = merged["methods"][name][key], joint["methods"][name][key]
+            assert got == pytest.approx(want, rel=1e-5, abs=1e-9)
+        for layer, curves in joint["curves"]["layers"].items():
+            assert merged["curves"]["layers"][layer][name] == pytest.approx(curves[name], rel=1e-5, abs=1e-9)
+    # the same method twice, or runs of another length, are not one evaluation
+    assert main(["eval-report", str(paths["a"]), str(paths["a"]), "--merge", str(paths["merged"])]) == 2
+    assert "in two reports" in capsys.readouterr().err
+    short = json.loads(paths["b"].read_text()) | {"tokens": 6}
+    paths["b"].write_text(json.dumps(short))
+    assert main(["eval-report", str(paths["a"]), str(paths["b"]), "--merge", str(paths["merged"])]) == 2
+    assert "differ in 'tokens'" in capsys.readouterr().err

@@ -45,6 +45,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "error, with the model, token count and device that produced it.",
     )
     p.add_argument("reports", nargs="+", metavar="JSON")
+    p.add_argument(
+        "--merge",
+        metavar="OUT",
+        help="the JSONs are one evaluation split over processes by method: write them as one report to OUT "
+        "and print one table",
+    )
     p.set_defaults(run=run_eval_report)
 
     p = sub.add_parser(
@@ -192,15 +198,25 @@ def eval_markdown(report: dict) -> str:
 
 
 def run_eval_report(args: argparse.Namespace) -> int:
+    reports = []
     for path in args.reports:
         p = Path(path)
         if not p.is_file():
             raise LeapQuantError(f"report {path} does not exist")
         try:
-            report = json.loads(p.read_text())
-            print(eval_markdown(report))
-        except (json.JSONDecodeError, KeyError) as exc:
+            reports.append(json.loads(p.read_text()))
+        except json.JSONDecodeError as exc:
             raise LeapQuantError(f"{path} is not a `leapquant eval` JSON report ({exc})") from None
+    try:
+        if args.merge:
+            from ..eval.model_eval import merge_reports
+
+            reports = [merge_reports(reports)]
+            Path(args.merge).write_text(json.dumps(reports[0], indent=1))
+        for report in reports:
+            print(eval_markdown(report))
+    except (KeyError, TypeError) as exc:
+        raise LeapQuantError(f"not a `leapquant eval` JSON report ({type(exc).__name__}: {exc})") from None
     return 0
 
 

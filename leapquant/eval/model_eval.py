@@ -31,6 +31,7 @@ __all__ = [
     "EvalConfig",
     "evaluate_model",
     "load_model",
+    "merge_reports",
     "record_trace",
     "stdlib_text",
 ]
@@ -351,6 +352,34 @@ def record_trace(
         "streams": "layer-major: streams of layer layers[0] first, heads in order",
     }
     return records, meta
+
+
+def merge_reports(reports: Sequence[dict]) -> dict:
+    """One report from several runs of the same evaluation split over processes by method.
+
+    Every run scores its methods against its own FP32 row on the same text, so the runs must agree on the
+    model, the text, the token count and (to rounding: batches of other sizes may sum in another order) the
+    FP32 NLL; a method may appear in one run only.  Raises :class:`LeapQuantError` otherwise.
+    """
+    if not reports:
+        raise LeapQuantError("merge: no reports")
+    first = reports[0]
+    merged = {**first, "methods": {}, "curves": {"tokens": first["curves"]["tokens"], "layers": {}}}
+    for r in reports:
+        for key in ("model", "tokens", "prefill", "text"):
+            if r[key] != first[key]:
+                raise LeapQuantError(f"merge: reports differ in {key!r} ({r[key]!r} vs {first[key]!r})")
+        if abs(r["fp32"]["nll"] - first["fp32"]["nll"]) > 1e-4 * abs(first["fp32"]["nll"]):
+            raise LeapQuantError(f"merge: FP32 NLL {r['fp32']['nll']} vs {first['fp32']['nll']}")
+        for name, row in r["methods"].items():
+            if name in merged["methods"]:
+                raise LeapQuantError(f"merge: method {name!r} is in two reports")
+            merged["methods"][name] = row
+        for layer, curves in r["curves"]["layers"].items():
+            merged["curves"]["layers"].setdefault(layer, {}).update(curves)
+    merged["complete"] = all(r["complete"] for r in reports)
+    merged["merged_from"] = len(reports)
+    return merged
 
 
 def methods_table_rows(report: dict) -> Sequence[tuple[str, ...]]:

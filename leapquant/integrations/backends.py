@@ -7,7 +7,8 @@ or ``[B, HV, K]`` (KDA), ``beta [B, HV]`` after its sigmoid) and returns ``o [B,
 * :class:`NativeState` keeps the dense fp32 state and calls the model's own recurrent function: the
   ``fp32`` method, bit-identical to the unpatched model by construction.
 * :class:`DequantizedState` keeps the dequantized dense state of a per-step method and re-quantizes it
-  after the model's own step (eq. 2), a fast path for the many per-step baselines.
+  after the model's own step (eq. 2), a fast path for the many per-step baselines (one CUDA graph replay
+  per layer and token on a GPU).
 * :class:`ReferenceState` keeps a :class:`~leapquant.methods.WindowedState` (any method name): the readable
   reference, on any device.
 * :class:`KernelState` keeps a :class:`~leapquant.ops.pool.LeapQuantPool` or per-step pool and runs the
@@ -73,16 +74,34 @@ class DequantizedState(NativeState):
     def __init__(self, config: MethodConfig, recurrent_fn: Callable) -> None:
         super().__init__(recurrent_fn)
         self.config = config
+        self._window: WindowedState | None = None
+        # CUDA: the round trip is dozens of small launches per layer and token (a format's scales, rounding,
+        # rotations), replayed as one CUDA graph per state shape; None until captured, False if a format
+        # cannot be captured (then it runs eagerly)
+        self._graph: tuple | bool | None = None
 
-    def _round_trip(self, state: torch.Tensor) -> torch.Tensor:
+    def _eager_round_trip(self, state: torch.Tensor) -> torch.Tensor:
         b, hv, d_k, d_v = state.shape
-        window = getattr(self, "_window", None)
+        window = self._window
         if window is None or window.batch != b * hv or window.device != state.device:
             # built once per shape, not per token: load() quantizes, the buffers are reused
             window = WindowedState(self.config, b * hv, d_k, d_v, dtype=torch.float32, device=state.device)
             self._window = window
         window.load(state.reshape(b * hv, d_k, d_v))
         return window.materialize().reshape(b, hv, d_k, d_v)
+
+    def _round_trip(self, state: torch.Tensor) -> torch.Tensor:
+        if state.device.type != "cuda" or self._graph is False or self.config.stochastic:
+            return self._eager_round_trip(state)
+        if self._graph is None or self._graph[1].shape != state.shape:
+            self._graph = _capture(self._eager_round_trip, state)
+            if self._graph is False:
+                return self._eager_round_trip(state)
+        graph, static_in, static_out = self._graph
+        static_in.copy_(state)
+        graph.replay()
+        # static_out is overwritten by the next replay, after the model's step has consumed it
+        return static_out
 
     def load(self, state: torch.Tensor) -> None:
         self.state = self._round_trip(state.float())
@@ -91,6 +110,25 @@ class DequantizedState(NativeState):
         out = super().step(q, k, v, g, beta, use_qk_l2norm)
         self.state = self._round_trip(self.state.float())
         return out
+
+
+def _capture(fn: Callable, example: torch.Tensor):
+    """``(graph, static_in, static_out)`` replaying ``fn(static_in)``, or False if ``fn`` cannot be captured
+    (a host synchronisation inside it)."""
+    static_in = example.clone()
+    side = torch.cuda.Stream(device=example.device)
+    side.wait_stream(torch.cuda.current_stream(example.device))
+    with torch.cuda.stream(side):  # warm-up off the capture: lazily built constants, cuBLAS workspaces
+        for _ in range(2):
+            fn(static_in)
+    torch.cuda.current_stream(example.device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            static_out = fn(static_in)
+    except RuntimeError:
+        return False
+    return graph, static_in, static_out
 
 
 class ReferenceState:

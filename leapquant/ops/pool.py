@@ -12,8 +12,9 @@ tensor       shape                            contents
 ===========  ===============================  ====================================================
 payload      ``[S, HV, V, K]``                residual ``C^-1 R`` in the residual format (int8,
              (int4: ``[S, HV, V, K/2]``)      float8_e4m3fn, bf16 or fp32; int4 packs two keys a
-                                              byte, even key in the low nibble)
-scale        ``[S, HV, V]`` fp32              per-value-channel scale (int8/fp8/int4 only)
+                                              byte, even key in the low nibble; int6 keeps its
+                                              codes -31..31 one per byte, unpacked)
+scale        ``[S, HV, V]`` fp32              per-value-channel scale (int8/int6/fp8/int4 only)
 smooth       ``[S, HV, K]`` fp32              smoothing scales ``c`` (when smoothing)
 comp_k       ``[S, HV, R, K]`` fp16           compensator keys ``K~`` (orthonormal columns)
 comp_u       ``[S, HV, R, V]`` fp16           compensator values ``U~ = S^T K~``
@@ -44,6 +45,7 @@ __all__ = ["RESIDUAL_FORMATS", "LeapQuantPool", "PoolConfig"]
 # residual format -> (payload dtype, has per-value-channel scale, element max)
 RESIDUAL_FORMATS = {
     "int8": (torch.int8, True, 127.0),
+    "int6": (torch.int8, True, 31.0),  # codes -31..31, one per byte: the kernels run the int8 path
     "int4": (torch.uint8, True, 7.0),
     "fp8-e4m3": (torch.float8_e4m3fn, True, 448.0),
     "bf16": (torch.bfloat16, False, None),
@@ -62,7 +64,8 @@ class PoolConfig:
         window: records per window ``P``.
         compensators: compensator tokens ``R`` (0..16).
         smoothing: residual smoothing.
-        residual: ``int8``, ``int4``, ``fp8-e4m3``, ``bf16`` or ``fp32``.
+        residual: ``int8``, ``int6`` (6-bit codes in bytes: the accuracy of INT6 at the speed of the int8
+            kernels, not its memory), ``int4``, ``fp8-e4m3``, ``bf16`` or ``fp32``.
         records: record precision, ``fp16`` or ``fp32``.
         decay: ``scalar`` (GDN, one decay per head) or ``vector`` (KDA, one per key channel).
         power_iters: power iterations per window boundary; cold_iters: at prefill hand-off.
@@ -103,7 +106,7 @@ class PoolConfig:
         from ..methods.config import parse_method
 
         cfg = parse_method(method)
-        residual = {"int8": "int8", "int4": "int4", "fp8-e4m3": "fp8-e4m3", "bf16": "bf16", "fp32": "fp32"}
+        residual = {c: c for c in RESIDUAL_FORMATS}
         if cfg.codec not in residual or cfg.window < 2 or cfg.fit != "power" or cfg.stochastic:
             raise LeapQuantError(
                 f"pool: no kernel for {method!r}; kernels run CODEC/wP[+ctR][+itN][+smooth][+rec16|+rec32] "
@@ -134,6 +137,11 @@ class PoolConfig:
             smoothing=self.smoothing,
             record_precision=self.records,
         )
+
+    @property
+    def packed(self) -> bool:
+        """Whether the payload holds the residual format at its own width (not int6's codes in bytes)."""
+        return self.residual != "int6"
 
     @property
     def has_scale(self) -> bool:

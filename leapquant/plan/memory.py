@@ -85,7 +85,8 @@ def state_layout(shape: HybridShape, method: str, slots: int) -> tuple[str, list
     """How one linear-attention layer stores ``slots`` states: ``(kind, [(name, shape, dtype), ...])``.
 
     ``kind`` is ``pool`` (a LeapQuant kernel pool), ``per-step`` (the per-step fp32/bf16/int8 pool) or
-    ``bytes`` (no kernel yet: boundary and record bytes from :class:`MethodConfig`, as uint8).  Raises
+    ``bytes`` (no kernel yet, or a kernel pool that does not pack the format (int6 codes in bytes): boundary
+    and record bytes from :class:`MethodConfig`, as uint8).  Raises
     :class:`LeapQuantError` for a name the method grammar rejects.
     """
     from ..methods.config import parse_method
@@ -97,7 +98,7 @@ def state_layout(shape: HybridShape, method: str, slots: int) -> tuple[str, list
         pool = PoolConfig.from_method(method, heads=hv, d_k=k, d_v=v, decay=shape.decay)
     except LeapQuantError:
         pool = None
-    if pool is not None:
+    if pool is not None and pool.packed:
         specs = [(n, s, str(dt).removeprefix("torch.")) for n, (s, dt) in pool.shapes(slots).items()]
         kind = "pool"
     elif cfg.window == 1 and cfg.codec in PER_STEP_POOLS and not cfg.compensators and not cfg.smoothing:

@@ -50,7 +50,6 @@ class LaunchConfig:
             ``close_tile.py``).
         tile_programs_per_sm: persistent ``"tile"`` close programs per multiprocessor.
         rank1_warps, rank1_programs_per_sm: the same for the ``"rank1"`` close.
-        rank1_stages: software-pipelining depth of the ``"rank1"`` close's loop over records.
     """
 
     step_bv: int = 32
@@ -66,14 +65,14 @@ class LaunchConfig:
     tile_programs_per_sm: int = 2
     rank1_warps: int = 8
     rank1_programs_per_sm: int = 2
-    rank1_stages: int = 2
 
     @classmethod
     def tuned(cls, decay: str) -> LaunchConfig:
         """The shapes ``bench kernel --tune`` picked on the H200 (BENCHMARKS.md) for GDN or KDA pools."""
+        close = dict(close="rank1", rank1_warps=4, rank1_programs_per_sm=2)
         if decay == "scalar":
-            return cls(step_bv=16, step_warps=2, close="rank1")
-        return cls(close="rank1")
+            return cls(step_bv=8, step_warps=1, step_stages=4, **close)
+        return cls(step_bv=32, step_warps=4, step_stages=4, **close)
 
     def __post_init__(self) -> None:
         if self.close not in CLOSE_PATHS:
@@ -84,8 +83,7 @@ class LaunchConfig:
                 raise LeapQuantError(f"launch: {name} must be a power of two, got {x}")
         if self.close_bv < 16:
             raise LeapQuantError(f"launch: close_bv must be >= 16 (a tl.dot operand), got {self.close_bv}")
-        per_sm = ("close_programs_per_sm", "tile_programs_per_sm", "rank1_programs_per_sm", "rank1_stages")
-        for name in per_sm:
+        for name in ("close_programs_per_sm", "tile_programs_per_sm", "rank1_programs_per_sm"):
             if getattr(self, name) < 1:
                 raise LeapQuantError(f"launch: {name} must be >= 1, got {getattr(self, name)}")
 
@@ -245,7 +243,7 @@ def _launch_close_rank1(pool: LeapQuantPool, n: int, launch: LaunchConfig) -> No
         t.get("comp_u", dummy), t["rec_g"], t["rec_k"], t["rec_u"], t["pos"], SMOOTHING_FLOOR, qmax,
         K=cfg.d_k, V=cfg.d_v, P=cfg.window, R=cfg.compensators, BR=_pow2(cfg.compensators),
         ITERS=cfg.power_iters, RESIDUAL=code, SMOOTH=cfg.smoothing, VECTOR_DECAY=cfg.decay == "vector",
-        STAGES=launch.rank1_stages, num_warps=launch.rank1_warps,
+        num_warps=launch.rank1_warps,
     )  # fmt: skip
 
 

@@ -7,7 +7,9 @@ nothing in the close is a real matrix product: the records and compensator token
 updates, the power iteration and the token values are ``2R`` matrix-vector products.  Written as such
 (broadcast multiply-adds and row/column reductions on the register tile), the close needs only a few KB of
 shared memory for cross-warp reductions, no padding of ``R`` to 16, and several programs share an SM, so
-one head's reduction latency hides behind another's arithmetic.
+one head's reduction latency hides behind another's arithmetic.  The loops that load (records, tokens)
+are unrolled: a rolled loop waits for each record's loads in turn, 16 to 32 dependent trips to memory per
+head, which on the H200 cost more than all of the close's arithmetic.
 
 Same arithmetic as ``close_kernel`` and ``close_tile_kernel`` (same order of the state's terms, token values
 from the unmodified state, fp16 tokens subtracted); sums run in a different order, so results agree to
@@ -47,7 +49,6 @@ def close_rank1_kernel(
     smooth_floor, qmax,
     K: tl.constexpr, V: tl.constexpr, P: tl.constexpr, R: tl.constexpr, BR: tl.constexpr,
     ITERS: tl.constexpr, RESIDUAL: tl.constexpr, SMOOTH: tl.constexpr, VECTOR_DECAY: tl.constexpr,
-    STAGES: tl.constexpr,
 ):  # fmt: skip
     """Persistent: program ``pid`` closes entries ``pid, pid + grid, ...`` of the list (``BR``: R rounded up
     to a power of two, at least 1)."""
@@ -65,9 +66,9 @@ def close_rank1_kernel(
             b_s = b_s * tl.load(scale_v + i_s * V + o_v)[:, None]
         if SMOOTH:
             b_s = b_s * tl.load(smooth + i_s * K + o_k)[None, :]
-        for r in range(R):
-            b_ck = tl.load(comp_k + (i_s * R + r) * K + o_k).to(tl.float32)
-            b_cu = tl.load(comp_u + (i_s * R + r) * V + o_v).to(tl.float32)
+        for c in tl.static_range(R):  # unrolled loops get their own index names: a constexpr elsewhere
+            b_ck = tl.load(comp_k + (i_s * R + c) * K + o_k).to(tl.float32)
+            b_cu = tl.load(comp_u + (i_s * R + c) * V + o_v).to(tl.float32)
             b_s += b_cu[:, None] * b_ck[None, :]
         if VECTOR_DECAY:
             b_gend = tl.load(rec_g + (i_s * P + P - 1) * K + o_k)
@@ -75,7 +76,7 @@ def close_rank1_kernel(
         else:
             b_gend = tl.load(rec_g + i_s * P + P - 1)
             b_s = b_s * tl.exp(b_gend)
-        for j in tl.range(0, P, num_stages=STAGES):
+        for j in tl.static_range(P):
             b_kj = tl.load(rec_k + (i_s * P + j) * K + o_k).to(tl.float32)
             if VECTOR_DECAY:
                 b_kj = b_kj * tl.exp(b_gend - tl.load(rec_g + (i_s * P + j) * K + o_k))
@@ -86,11 +87,11 @@ def close_rank1_kernel(
         if R > 0:
             # -- subspace iteration warm-started from the previous value vectors (hashed +-1 where zero) --
             b_z = tl.zeros([BR, K], dtype=tl.float32)
-            for r in range(R):
-                b_old = tl.load(comp_u + (i_s * R + r) * V + o_v).to(tl.float32)
+            for c in tl.static_range(R):
+                b_old = tl.load(comp_u + (i_s * R + c) * V + o_v).to(tl.float32)
                 b_usable = tl.sqrt(tl.sum(b_old * b_old)) > 1e-30
-                b_start = tl.where(b_usable, b_old, _start_row(r, o_v))
-                b_z = tl.where(o_r[:, None] == r, tl.sum(b_s * b_start[:, None], 0)[None, :], b_z)
+                b_start = tl.where(b_usable, b_old, _start_row(c, o_v))
+                b_z = tl.where(o_r[:, None] == c, tl.sum(b_s * b_start[:, None], 0)[None, :], b_z)
             b_qk = _orthonormalize_rows(b_z, o_r, R)
             for _ in range(ITERS - 1):
                 b_z = tl.zeros([BR, K], dtype=tl.float32)

@@ -45,6 +45,7 @@ RESIDUAL_CODES = {
     "fp32": (0, 0.0),
     "bf16": (1, 0.0),
     "int8": (2, 127.0),
+    "int6": (2, 31.0),  # int8 bytes holding 6-bit codes
     "fp8-e4m3": (3, 448.0),
     "int4": (4, 7.0),
 }
