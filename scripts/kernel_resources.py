@@ -19,7 +19,6 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from leapquant.ops.leapquant_decode import close_rank1 as c1
-from leapquant.ops.leapquant_decode import close_tile as ct
 from leapquant.ops.leapquant_decode import fused_recurrent as lq
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -71,18 +70,12 @@ def main() -> None:
         scalars = {"smooth_floor": "fp32", "qmax": "fp32"}
         usage = resources(lq.close_kernel, close_ptrs, scalars, consts, 8)
         print(f"close kernel, r={rank}, BV=32, 8 warps: {usage}")
-    tile_ptrs = dict(common, close_list="*i32", close_count="*i32")
-    for rank, decay, warps in ((4, False, 8), (4, False, 16), (4, True, 8), (8, False, 8), (0, False, 8)):
-        consts = dict(K=128, V=128, P=16, R=rank, BP=16, BR=16, ITERS=1, RESIDUAL=2, SMOOTH=True,
-                      VECTOR_DECAY=decay, DOT="tf32x3")  # fmt: skip
-        scalars = {"smooth_floor": "fp32", "qmax": "fp32"}
-        usage = resources(ct.close_tile_kernel, tile_ptrs, scalars, consts, warps)
-        print(f"tile close, r={rank}, {'vector' if decay else 'scalar'} decay, {warps} warps: {usage}")
+    rank1_ptrs = dict(common, close_list="*i32", close_count="*i32")
     for rank, decay, warps in ((4, False, 4), (4, True, 4), (8, False, 4), (0, False, 4), (4, False, 8)):
         consts = dict(K=128, V=128, P=16, R=rank, BR=max(1, rank), ITERS=1, RESIDUAL=2, SMOOTH=True,
-                      VECTOR_DECAY=decay)  # fmt: skip
+                      VECTOR_DECAY=decay, STAGES=2)  # fmt: skip
         scalars = {"smooth_floor": "fp32", "qmax": "fp32"}
-        usage = resources(c1.close_rank1_kernel, tile_ptrs, scalars, consts, warps)
+        usage = resources(c1.close_rank1_kernel, rank1_ptrs, scalars, consts, warps)
         print(f"rank-one close, r={rank}, {'vector' if decay else 'scalar'} decay, {warps} warps: {usage}")
 
 

@@ -301,9 +301,8 @@ def test_gate_and_beta_activation_in_the_kernel(family):
         pytest.param("gdn", "int8", 3, True, 3, id="gdn-int8-r3-smooth-3iters"),
     ],
 )
-@pytest.mark.parametrize("close", ["tile", "rank1"])
-def test_register_closes_match_the_persistent_close(family, residual, rank, smooth, iters, close):
-    """``LaunchConfig(close="tile")`` and ``close="rank1"`` compute the same windows as the chunked
+def test_rank1_close_matches_the_persistent_close(family, residual, rank, smooth, iters):
+    """``LaunchConfig(close="rank1")`` (state in registers) computes the same windows as the chunked
     persistent close."""
     from leapquant.ops.leapquant_decode import LaunchConfig
 
@@ -311,7 +310,7 @@ def test_register_closes_match_the_persistent_close(family, residual, rank, smoo
     cfg = PoolConfig(heads=2, d_k=K, d_v=V, window=4, compensators=rank, smoothing=smooth, residual=residual,
                      decay="vector" if family == "kda" else "scalar", power_iters=iters)  # fmt: skip
     slots = torch.tensor([3, -1, 0], dtype=torch.int32, device=DEVICE)
-    launches = [LaunchConfig(close=close, tile_warps=4, rank1_warps=4), LaunchConfig(close="persistent")]
+    launches = [LaunchConfig(close="rank1", rank1_warps=4), LaunchConfig(close="persistent")]
     pools = [LeapQuantPool.allocate(cfg, 5, DEVICE) for _ in launches]
     s0 = torch.randn(3, 2, K, V, generator=gen, device=DEVICE)
     for pool in pools:

@@ -190,8 +190,12 @@ def test_eval_split_over_processes_merges_into_one_report(tiny_dir, tmp_path, ca
     assert main([*common, "-m", "int4", "--json", str(paths["a"])]) == 0
     assert main([*common, "-m", "int8", "--json", str(paths["b"])]) == 0
     capsys.readouterr()
-    assert main(["eval-report", str(paths["a"]), str(paths["b"]), "--merge", str(paths["merged"])]) == 0
+    png = tmp_path / "merged.png"
+    merge = ["eval-report", str(paths["a"]), str(paths["b"]), "--merge", str(paths["merged"])]
+    assert main([*merge, "--plot", str(png)]) == 0
     assert capsys.readouterr().out.count("| `int") == 2  # one table with both methods
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert main(["eval-report", str(paths["a"]), str(paths["b"]), "--plot", str(png)]) == 2
     joint, merged = (json.loads(paths[n].read_text()) for n in ("joint", "merged"))
     assert merged["complete"] and list(merged["methods"]) == ["int4", "int8"]
     for name in ("int4", "int8"):

@@ -55,7 +55,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     k.add_argument("--close-warps", type=int, default=None, help="launch: warps per close program")
     k.add_argument("--close-programs", type=int, default=None, help="launch: close programs per SM")
     k.add_argument(
-        "--close", choices=("persistent", "tile", "rank1"), default=None, help="launch: window-close path"
+        "--close", choices=("persistent", "rank1"), default=None, help="launch: window-close path"
     )
     k.add_argument(
         "--tune",
@@ -284,8 +284,7 @@ def run_kernel(args: argparse.Namespace) -> int:
 
 # Launch shapes tried by --tune: (value rows per chunk, warps, pipeline stages, fast int8 conversion) of
 # the step kernel, then (value rows per chunk, warps, programs per SM, product precision, close kernel) of the
-# close path (the "tile" and "rank1" closes have no row chunks: they hold the whole state; "rank1" has no
-# matrix products).
+# close path (the "rank1" close has no row chunks: it holds the whole state).
 STEP_SHAPES = (
     (32, 4, 2, True),
     (32, 4, 4, True),
@@ -299,7 +298,6 @@ STEP_SHAPES = (
 )
 CLOSE_SHAPES = (
     (32, 8, 1, "tf32x3", "persistent"),
-    (32, 8, 1, "tf32x3", "tile"),
     (0, 8, 1, "", "rank1"),
     (0, 8, 2, "", "rank1"),
     (0, 16, 1, "", "rank1"),
@@ -322,9 +320,7 @@ def _tune(case, launch, measure, report, con):
         con.print(f"tune {case.family} step {shape}: {row.get('ms', float('nan')) * 1e3:.1f} us")
     chosen, best_ms = best, float("inf")
     for bv, warps, programs, dot, close in CLOSE_SHAPES:
-        if close == "tile":
-            shape = replace(best, tile_warps=warps, tile_programs_per_sm=programs, dot=dot, close=close)
-        elif close == "rank1":
+        if close == "rank1":
             shape = replace(best, rank1_warps=warps, rank1_programs_per_sm=programs, close=close)
         else:
             shape = replace(

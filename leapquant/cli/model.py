@@ -51,6 +51,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         help="the JSONs are one evaluation split over processes by method: write them as one report to OUT "
         "and print one table",
     )
+    p.add_argument("--plot", metavar="OUT.png", help="state error per layer against tokens (one report)")
     p.set_defaults(run=run_eval_report)
 
     p = sub.add_parser(
@@ -215,6 +216,12 @@ def run_eval_report(args: argparse.Namespace) -> int:
             Path(args.merge).write_text(json.dumps(reports[0], indent=1))
         for report in reports:
             print(eval_markdown(report))
+        if args.plot:
+            if len(reports) != 1:
+                raise LeapQuantError("--plot draws one report: give one JSON (or several with --merge)")
+            from ..eval.plot import plot_model_state_error
+
+            plot_model_state_error(reports[0], args.plot)
     except (KeyError, TypeError) as exc:
         raise LeapQuantError(f"not a `leapquant eval` JSON report ({type(exc).__name__}: {exc})") from None
     return 0

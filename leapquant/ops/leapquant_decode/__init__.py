@@ -25,7 +25,7 @@ from . import naive
 __all__ = ["LaunchConfig", "leapquant_decode", "leapquant_step_records", "load_states", "materialize_states"]
 
 BACKENDS = ("auto", "triton", "reference")
-CLOSE_PATHS = ("persistent", "tile", "rank1")
+CLOSE_PATHS = ("persistent", "rank1")
 
 
 @dataclass(frozen=True)
@@ -43,13 +43,12 @@ class LaunchConfig:
         dot: precision of the window-close matrix products: ``"ieee"`` (fp32 FMAs) or ``"tf32x3"``
             (three tf32 tensor-core products, fp32-level accuracy).
         close: ``"persistent"`` (``close_kernel``: a program walks each closing head through a scratch tile in
-            value-row chunks), ``"tile"`` (``close_tile_kernel``: the head's whole state in registers, built
-            and fitted with matrix products) or ``"rank1"`` (``close_rank1_kernel``: the state in registers,
-            rank-one updates and matrix-vector reductions only).
-        tile_warps: warps per program of the ``"tile"`` close (each holds a head's whole state in registers,
-            ``close_tile.py``).
-        tile_programs_per_sm: persistent ``"tile"`` close programs per multiprocessor.
-        rank1_warps, rank1_programs_per_sm: the same for the ``"rank1"`` close.
+            value-row chunks) or ``"rank1"`` (``close_rank1_kernel``: the head's whole state in registers,
+            rank-one updates and matrix-vector reductions only; the tuned default).
+        rank1_warps: warps per program of the ``"rank1"`` close (each holds a head's whole state in registers,
+            ``close_rank1.py``).
+        rank1_programs_per_sm: persistent ``"rank1"`` close programs per multiprocessor.
+        rank1_stages: software-pipelining depth of the ``"rank1"`` close's loop over records.
     """
 
     step_bv: int = 32
@@ -61,10 +60,9 @@ class LaunchConfig:
     fast_cvt: bool = True
     dot: str = "tf32x3"
     close: str = "persistent"
-    tile_warps: int = 8
-    tile_programs_per_sm: int = 2
     rank1_warps: int = 8
     rank1_programs_per_sm: int = 2
+    rank1_stages: int = 2
 
     @classmethod
     def tuned(cls, decay: str) -> LaunchConfig:
@@ -77,13 +75,13 @@ class LaunchConfig:
     def __post_init__(self) -> None:
         if self.close not in CLOSE_PATHS:
             raise LeapQuantError(f"launch: close must be one of {', '.join(CLOSE_PATHS)}, got {self.close!r}")
-        for name in ("step_bv", "step_warps", "close_bv", "close_warps", "tile_warps", "rank1_warps"):
+        for name in ("step_bv", "step_warps", "close_bv", "close_warps", "rank1_warps"):
             x = getattr(self, name)
             if x < 1 or x & (x - 1):
                 raise LeapQuantError(f"launch: {name} must be a power of two, got {x}")
         if self.close_bv < 16:
             raise LeapQuantError(f"launch: close_bv must be >= 16 (a tl.dot operand), got {self.close_bv}")
-        for name in ("close_programs_per_sm", "tile_programs_per_sm", "rank1_programs_per_sm"):
+        for name in ("close_programs_per_sm", "rank1_programs_per_sm", "rank1_stages"):
             if getattr(self, name) < 1:
                 raise LeapQuantError(f"launch: {name} must be >= 1, got {getattr(self, name)}")
 
@@ -176,9 +174,6 @@ def _launch_close(pool: LeapQuantPool, n: int, launch: LaunchConfig) -> None:
     from ...methods.smoothing import SMOOTHING_FLOOR
     from .fused_recurrent import RESIDUAL_CODES, close_kernel
 
-    if launch.close == "tile":
-        _launch_close_tile(pool, n, launch)
-        return
     if launch.close == "rank1":
         _launch_close_rank1(pool, n, launch)
         return
@@ -201,29 +196,6 @@ def _launch_close(pool: LeapQuantPool, n: int, launch: LaunchConfig) -> None:
     )  # fmt: skip
 
 
-def _launch_close_tile(pool: LeapQuantPool, n: int, launch: LaunchConfig) -> None:
-    from ...methods.smoothing import SMOOTHING_FLOOR
-    from .close_tile import close_tile_kernel
-    from .fused_recurrent import RESIDUAL_CODES
-
-    cfg = pool.config
-    t = pool.tensors
-    dummy = t["pos"]
-    code, qmax = RESIDUAL_CODES[cfg.residual]
-    sms = 1
-    if pool.device.type == "cuda":
-        sms = torch.cuda.get_device_properties(pool.device).multi_processor_count
-    grid = max(1, min(n * cfg.heads, sms * launch.tile_programs_per_sm))
-    list_, count = pool.close_list()
-    close_tile_kernel[(grid,)](
-        list_, count, t["payload"], t.get("scale", dummy), t.get("smooth", dummy), t.get("comp_k", dummy),
-        t.get("comp_u", dummy), t["rec_g"], t["rec_k"], t["rec_u"], t["pos"], SMOOTHING_FLOOR, qmax,
-        K=cfg.d_k, V=cfg.d_v, P=cfg.window, R=cfg.compensators, BP=_pow2(cfg.window, 16),
-        BR=_pow2(cfg.compensators, 16), ITERS=cfg.power_iters, RESIDUAL=code, SMOOTH=cfg.smoothing,
-        VECTOR_DECAY=cfg.decay == "vector", DOT=launch.dot, num_warps=launch.tile_warps,
-    )  # fmt: skip
-
-
 def _launch_close_rank1(pool: LeapQuantPool, n: int, launch: LaunchConfig) -> None:
     from ...methods.smoothing import SMOOTHING_FLOOR
     from .close_rank1 import close_rank1_kernel
@@ -243,7 +215,7 @@ def _launch_close_rank1(pool: LeapQuantPool, n: int, launch: LaunchConfig) -> No
         t.get("comp_u", dummy), t["rec_g"], t["rec_k"], t["rec_u"], t["pos"], SMOOTHING_FLOOR, qmax,
         K=cfg.d_k, V=cfg.d_v, P=cfg.window, R=cfg.compensators, BR=_pow2(cfg.compensators),
         ITERS=cfg.power_iters, RESIDUAL=code, SMOOTH=cfg.smoothing, VECTOR_DECAY=cfg.decay == "vector",
-        num_warps=launch.rank1_warps,
+        STAGES=launch.rank1_stages, num_warps=launch.rank1_warps,
     )  # fmt: skip
 
 

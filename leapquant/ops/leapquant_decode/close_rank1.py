@@ -1,17 +1,18 @@
 """Window close in registers with rank-one arithmetic only (``LaunchConfig(close="rank1")``).
 
-``close_tile_kernel`` holds a head's ``[V, K]`` fp32 state in registers but builds it and fits the tokens
-with ``tl.dot``: every product converts the 64 KB state into a tensor-core operand layout through shared
-memory (147 KB of it), so one program fits on an SM and each SM closes its heads one after another.  Yet
+A first register-resident close (``close_tile_kernel``, deleted after it measured 15% slower than this one on
+the H200) held a head's ``[V, K]`` fp32 state in registers but built it and fitted the tokens with
+``tl.dot``: every product converted the 64 KB state into a tensor-core operand layout through shared memory
+(147 KB of it), so one program fit on an SM and each SM closed its heads one after another.  Yet
 nothing in the close is a real matrix product: the records and compensator tokens are ``P + R`` rank-one
 updates, the power iteration and the token values are ``2R`` matrix-vector products.  Written as such
 (broadcast multiply-adds and row/column reductions on the register tile), the close needs only a few KB of
 shared memory for cross-warp reductions, no padding of ``R`` to 16, and several programs share an SM, so
-one head's reduction latency hides behind another's arithmetic.  The loops that load (records, tokens)
-are unrolled: a rolled loop waits for each record's loads in turn, 16 to 32 dependent trips to memory per
-head, which on the H200 cost more than all of the close's arithmetic.
+one head's reduction latency hides behind another's arithmetic.  (Unrolling the loops over records and
+tokens, so that all their loads issue at once, was measured on the H200: no faster for GDN at 8 warps,
+slower for KDA, and it spills at 4 warps; the loops stay rolled.)
 
-Same arithmetic as ``close_kernel`` and ``close_tile_kernel`` (same order of the state's terms, token values
+Same arithmetic as ``close_kernel`` (same order of the state's terms, token values
 from the unmodified state, fp16 tokens subtracted); sums run in a different order, so results agree to
 rounding, not bit for bit.
 """
@@ -49,6 +50,7 @@ def close_rank1_kernel(
     smooth_floor, qmax,
     K: tl.constexpr, V: tl.constexpr, P: tl.constexpr, R: tl.constexpr, BR: tl.constexpr,
     ITERS: tl.constexpr, RESIDUAL: tl.constexpr, SMOOTH: tl.constexpr, VECTOR_DECAY: tl.constexpr,
+    STAGES: tl.constexpr,
 ):  # fmt: skip
     """Persistent: program ``pid`` closes entries ``pid, pid + grid, ...`` of the list (``BR``: R rounded up
     to a power of two, at least 1)."""
@@ -66,9 +68,9 @@ def close_rank1_kernel(
             b_s = b_s * tl.load(scale_v + i_s * V + o_v)[:, None]
         if SMOOTH:
             b_s = b_s * tl.load(smooth + i_s * K + o_k)[None, :]
-        for c in tl.static_range(R):  # unrolled loops get their own index names: a constexpr elsewhere
-            b_ck = tl.load(comp_k + (i_s * R + c) * K + o_k).to(tl.float32)
-            b_cu = tl.load(comp_u + (i_s * R + c) * V + o_v).to(tl.float32)
+        for r in range(R):
+            b_ck = tl.load(comp_k + (i_s * R + r) * K + o_k).to(tl.float32)
+            b_cu = tl.load(comp_u + (i_s * R + r) * V + o_v).to(tl.float32)
             b_s += b_cu[:, None] * b_ck[None, :]
         if VECTOR_DECAY:
             b_gend = tl.load(rec_g + (i_s * P + P - 1) * K + o_k)
@@ -76,7 +78,7 @@ def close_rank1_kernel(
         else:
             b_gend = tl.load(rec_g + i_s * P + P - 1)
             b_s = b_s * tl.exp(b_gend)
-        for j in tl.static_range(P):
+        for j in tl.range(0, P, num_stages=STAGES):
             b_kj = tl.load(rec_k + (i_s * P + j) * K + o_k).to(tl.float32)
             if VECTOR_DECAY:
                 b_kj = b_kj * tl.exp(b_gend - tl.load(rec_g + (i_s * P + j) * K + o_k))
@@ -87,11 +89,11 @@ def close_rank1_kernel(
         if R > 0:
             # -- subspace iteration warm-started from the previous value vectors (hashed +-1 where zero) --
             b_z = tl.zeros([BR, K], dtype=tl.float32)
-            for c in tl.static_range(R):
-                b_old = tl.load(comp_u + (i_s * R + c) * V + o_v).to(tl.float32)
+            for r in range(R):
+                b_old = tl.load(comp_u + (i_s * R + r) * V + o_v).to(tl.float32)
                 b_usable = tl.sqrt(tl.sum(b_old * b_old)) > 1e-30
-                b_start = tl.where(b_usable, b_old, _start_row(c, o_v))
-                b_z = tl.where(o_r[:, None] == c, tl.sum(b_s * b_start[:, None], 0)[None, :], b_z)
+                b_start = tl.where(b_usable, b_old, _start_row(r, o_v))
+                b_z = tl.where(o_r[:, None] == r, tl.sum(b_s * b_start[:, None], 0)[None, :], b_z)
             b_qk = _orthonormalize_rows(b_z, o_r, R)
             for _ in range(ITERS - 1):
                 b_z = tl.zeros([BR, K], dtype=tl.float32)
