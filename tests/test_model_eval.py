@@ -68,6 +68,7 @@ def test_eval_report(tiny_dir):
     rep = evaluate_model(model, tok, cfg, on_partial=partial.append)
     assert [p["tokens"] for p in partial] == [12, 24, 36] and not any(p["complete"] for p in partial)
     assert rep["complete"] and partial[-1]["curves"]["tokens"] == [12, 24, 36]
+    assert 0 < partial[0]["decode_seconds"] <= partial[-1]["decode_seconds"] <= rep["decode_seconds"]
     assert set(rep["methods"]) == {"fp32", "int4", "leapquant-int8"}
     fp32, int4, lq = (rep["methods"][m] for m in ("fp32", "int4", "leapquant-int8"))
     assert fp32["kl"] == 0 and fp32["top1_agreement"] == 1 and fp32["state_rel_err"] == 0

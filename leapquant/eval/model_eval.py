@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import sysconfig
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -199,6 +200,8 @@ def evaluate_model(
             "complete": n == config.tokens,
             "prefill": config.prefill,
             "backend": config.backend,
+            # wall time of the teacher-forced decode so far: what a run of N tokens will take on this machine
+            "decode_seconds": round(clock["end"] - clock["start"], 2),
             "text": {"source": text_source, "files": files[:50], "tokens_used": config.prefill + n + 1},
             "fp32": {"nll": float(nll[0] / n), "bits_per_token": float(nll[0] / n) / 0.6931471805599453},
             "linear_attention_layers": patched.layers,
@@ -212,6 +215,7 @@ def evaluate_model(
             },
         }
 
+    clock = {"start": time.perf_counter()}
     try:
         with torch.inference_mode():
             cache = DynamicCache(config=model.config)
@@ -228,10 +232,12 @@ def evaluate_model(
                     for layer, st in states.items():
                         curves.setdefault(layer, []).append([_rel(st[i], st[0]) for i in range(len(rows))])
                     if on_partial is not None and step + 1 < config.tokens:
+                        clock["end"] = time.perf_counter()
                         on_partial(report(step + 1, states, {}))
                 if on_step is not None:
                     on_step(1)
             final = patched.states(cache)
+            clock["end"] = time.perf_counter()
         with torch.inference_mode():  # no autograd graph across hundreds of free-running steps
             generated = {m: _greedy_against_fp32(model, all_ids, m, config) for m in config.generate}
     finally:
