@@ -292,16 +292,18 @@ def test_gate_and_beta_activation_in_the_kernel(family):
 
 
 @pytest.mark.parametrize(
-    ("family", "residual", "rank", "smooth", "iters"),
+    ("family", "residual", "rank", "smooth", "iters", "scale"),
     [
-        pytest.param("gdn", "int8", 4, True, 1, id="gdn-int8-r4-smooth"),
-        pytest.param("kda", "int4", 8, True, 1, id="kda-int4-r8-smooth"),
-        pytest.param("gdn", "int8", 0, False, 1, id="gdn-int8-r0"),
-        pytest.param("kda", "fp8-e4m3", 2, False, 1, id="kda-fp8-r2"),
-        pytest.param("gdn", "int8", 3, True, 3, id="gdn-int8-r3-smooth-3iters"),
+        pytest.param("gdn", "int8", 4, True, 1, 1.0, id="gdn-int8-r4-smooth"),
+        pytest.param("kda", "int4", 8, True, 1, 1.0, id="kda-int4-r8-smooth"),
+        pytest.param("gdn", "int8", 0, False, 1, 1.0, id="gdn-int8-r0"),
+        pytest.param("kda", "fp8-e4m3", 2, False, 1, 1.0, id="kda-fp8-r2"),
+        pytest.param("gdn", "int8", 3, True, 3, 1.0, id="gdn-int8-r3-smooth-3iters"),
+        # zero states load zero tokens: the first close starts its fit from the hashed +-1 vectors
+        pytest.param("kda", "int8", 4, True, 1, 0.0, id="kda-int8-r4-from-zero"),
     ],
 )
-def test_rank1_close_matches_the_persistent_close(family, residual, rank, smooth, iters):
+def test_rank1_close_matches_the_persistent_close(family, residual, rank, smooth, iters, scale):
     """``LaunchConfig(close="rank1")`` (state in registers) computes the same windows as the chunked
     persistent close."""
     from leapquant.ops.leapquant_decode import LaunchConfig
@@ -312,9 +314,11 @@ def test_rank1_close_matches_the_persistent_close(family, residual, rank, smooth
     slots = torch.tensor([3, -1, 0], dtype=torch.int32, device=DEVICE)
     launches = [LaunchConfig(close="rank1", rank1_warps=4), LaunchConfig(close="persistent")]
     pools = [LeapQuantPool.allocate(cfg, 5, DEVICE) for _ in launches]
-    s0 = torch.randn(3, 2, K, V, generator=gen, device=DEVICE)
+    s0 = scale * torch.randn(3, 2, K, V, generator=gen, device=DEVICE)
     for pool in pools:
         load_states(pool, slots, s0, backend="triton")
+    if scale == 0.0:
+        assert not pools[0].tensors["comp_u"].any()
     tol = 2e-3  # sums run in other orders, so a code may flip at a rounding boundary: far below int8 error
     for _ in range(9):  # two window closes
         x = tokens(family, 3, 1, 2, gen)

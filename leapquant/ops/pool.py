@@ -106,11 +106,10 @@ class PoolConfig:
         from ..methods.config import parse_method
 
         cfg = parse_method(method)
-        residual = {c: c for c in RESIDUAL_FORMATS}
-        if cfg.codec not in residual or cfg.window < 2 or cfg.fit != "power" or cfg.stochastic:
+        if cfg.codec not in RESIDUAL_FORMATS or cfg.window < 2 or cfg.fit != "power" or cfg.stochastic:
             raise LeapQuantError(
                 f"pool: no kernel for {method!r}; kernels run CODEC/wP[+ctR][+itN][+smooth][+rec16|+rec32] "
-                f"with CODEC in {', '.join(residual)} and P >= 2 (per-step formats use PerStepPool)"
+                f"with CODEC in {', '.join(RESIDUAL_FORMATS)} and P >= 2 (per-step formats use PerStepPool)"
             )
         return cls(
             heads=heads,

@@ -161,61 +161,48 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _close_grid(pool: LeapQuantPool, n: int, launch: LaunchConfig) -> int:
+def _close_grid(pool: LeapQuantPool, n: int, programs_per_sm: int) -> int:
     """Persistent close programs: a few per SM, never more than the heads that could close this step."""
     if pool.device.type == "cuda":
         sms = torch.cuda.get_device_properties(pool.device).multi_processor_count
     else:
         sms = 1
-    return max(1, min(n * pool.config.heads, sms * launch.close_programs_per_sm))
+    return max(1, min(n * pool.config.heads, sms * programs_per_sm))
 
 
 def _launch_close(pool: LeapQuantPool, n: int, launch: LaunchConfig) -> None:
+    """Close the windows of the heads the step kernel listed (``launch.close`` picks the kernel)."""
     from ...methods.smoothing import SMOOTHING_FLOOR
-    from .fused_recurrent import RESIDUAL_CODES, close_kernel
-
-    if launch.close == "rank1":
-        _launch_close_rank1(pool, n, launch)
-        return
-    cfg = pool.config
-    t = pool.tensors
-    dummy = t["pos"]
-    code, qmax = RESIDUAL_CODES[cfg.residual]
-    grid = _close_grid(pool, n, launch)
-    br = _pow2(cfg.compensators, 16)
-    work, uwork = pool.workspace(grid, br)
-    list_, count = pool.close_list()
-    close_kernel[(grid,)](
-        list_, count, work, uwork, t["payload"], t.get("scale", dummy), t.get("smooth", dummy),
-        t.get("comp_k", dummy), t.get("comp_u", dummy), t["rec_g"], t["rec_k"], t["rec_u"], t["pos"],
-        SMOOTHING_FLOOR, qmax,
-        K=cfg.d_k, V=cfg.d_v, P=cfg.window, R=cfg.compensators, BV=min(cfg.d_v, launch.close_bv),
-        BP=_pow2(cfg.window, 16), BR=br, ITERS=cfg.power_iters, RESIDUAL=code,
-        SMOOTH=cfg.smoothing, VECTOR_DECAY=cfg.decay == "vector", DOT=launch.dot,
-        num_warps=launch.close_warps,
-    )  # fmt: skip
-
-
-def _launch_close_rank1(pool: LeapQuantPool, n: int, launch: LaunchConfig) -> None:
-    from ...methods.smoothing import SMOOTHING_FLOOR
-    from .close_rank1 import close_rank1_kernel
     from .fused_recurrent import RESIDUAL_CODES
 
     cfg = pool.config
     t = pool.tensors
     dummy = t["pos"]
     code, qmax = RESIDUAL_CODES[cfg.residual]
-    sms = 1
-    if pool.device.type == "cuda":
-        sms = torch.cuda.get_device_properties(pool.device).multi_processor_count
-    grid = max(1, min(n * cfg.heads, sms * launch.rank1_programs_per_sm))
     list_, count = pool.close_list()
-    close_rank1_kernel[(grid,)](
-        list_, count, t["payload"], t.get("scale", dummy), t.get("smooth", dummy), t.get("comp_k", dummy),
+    common = (
+        t["payload"], t.get("scale", dummy), t.get("smooth", dummy), t.get("comp_k", dummy),
         t.get("comp_u", dummy), t["rec_g"], t["rec_k"], t["rec_u"], t["pos"], SMOOTHING_FLOOR, qmax,
-        K=cfg.d_k, V=cfg.d_v, P=cfg.window, R=cfg.compensators, BR=_pow2(cfg.compensators),
-        ITERS=cfg.power_iters, RESIDUAL=code, SMOOTH=cfg.smoothing, VECTOR_DECAY=cfg.decay == "vector",
-        STAGES=launch.rank1_stages, num_warps=launch.rank1_warps,
+    )  # fmt: skip
+    shape = dict(K=cfg.d_k, V=cfg.d_v, P=cfg.window, R=cfg.compensators, ITERS=cfg.power_iters, RESIDUAL=code,
+                 SMOOTH=cfg.smoothing, VECTOR_DECAY=cfg.decay == "vector")  # fmt: skip
+    if launch.close == "rank1":
+        from .close_rank1 import close_rank1_kernel
+
+        grid = _close_grid(pool, n, launch.rank1_programs_per_sm)
+        close_rank1_kernel[(grid,)](
+            list_, count, *common, BR=_pow2(cfg.compensators), STAGES=launch.rank1_stages,
+            num_warps=launch.rank1_warps, **shape,
+        )  # fmt: skip
+        return
+    from .fused_recurrent import close_kernel
+
+    grid = _close_grid(pool, n, launch.close_programs_per_sm)
+    br = _pow2(cfg.compensators, 16)
+    work, uwork = pool.workspace(grid, br)
+    close_kernel[(grid,)](
+        list_, count, work, uwork, *common, BV=min(cfg.d_v, launch.close_bv), BP=_pow2(cfg.window, 16), BR=br,
+        DOT=launch.dot, num_warps=launch.close_warps, **shape,
     )  # fmt: skip
 
 

@@ -22,20 +22,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .fused_recurrent import _orthonormalize_rows, _residual_rows, _store_rows
+from .fused_recurrent import _orthonormalize_rows, _residual_rows, _start_vectors, _store_rows
 
 __all__ = ["close_rank1_kernel"]
-
-
-@triton.jit
-def _start_row(r, o_v):
-    """Row ``r`` of the +-1 hash of :func:`leapquant.methods.compensators.start_vectors`, ``[V]``."""
-    j = o_v.to(tl.int64)
-    h = j * 0 + r  # int64 like the reference's hash, whether r is a Python int (interpreter) or a scalar
-    x = (j * 0x9E3779B1 + (h + 1) * 0x85EBCA77) & 0xFFFFFFFF
-    x = ((x ^ (x >> 15)) * 0x2C1B3C6D) & 0xFFFFFFFF
-    x = x ^ (x >> 12)
-    return tl.where((x & 1) == 1, 1.0, -1.0)
 
 
 @triton.jit
@@ -59,6 +48,7 @@ def close_rank1_kernel(
     o_k = tl.arange(0, K)
     o_v = tl.arange(0, V)
     o_r = tl.arange(0, BR)
+    b_hashed = _start_vectors(o_r, o_v)  # [BR, V]: where a previous token is zero, the fit starts here
     count = tl.load(close_count)
     for idx in range(pid, count, nprog):
         i_s = tl.load(close_list + idx).to(tl.int64)
@@ -92,7 +82,7 @@ def close_rank1_kernel(
             for r in range(R):
                 b_old = tl.load(comp_u + (i_s * R + r) * V + o_v).to(tl.float32)
                 b_usable = tl.sqrt(tl.sum(b_old * b_old)) > 1e-30
-                b_start = tl.where(b_usable, b_old, _start_row(r, o_v))
+                b_start = tl.where(b_usable, b_old, _row(b_hashed, o_r, r))
                 b_z = tl.where(o_r[:, None] == r, tl.sum(b_s * b_start[:, None], 0)[None, :], b_z)
             b_qk = _orthonormalize_rows(b_z, o_r, R)
             for _ in range(ITERS - 1):
