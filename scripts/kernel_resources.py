@@ -18,6 +18,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from leapquant.ops.leapquant_decode import close as cc
 from leapquant.ops.leapquant_decode import close_rank1 as c1
 from leapquant.ops.leapquant_decode import fused_recurrent as lq
 
@@ -25,7 +26,7 @@ TARGET = GPUTarget("cuda", 90, 32)
 PAYLOAD = {0: "*fp32", 1: "*bf16", 2: "*i8", 3: "*fp8e4nv", 4: "*u8"}
 
 
-def resources(kernel, pointers: dict, scalars: dict, consts: dict, warps: int) -> str:
+def resources(kernel, pointers: dict, scalars: dict, consts: dict, warps: int, maxnreg: int | None = None):
     fn = kernel
     while not isinstance(fn, triton.runtime.JITFunction):  # unwrap @triton.heuristics
         fn = fn.fn
@@ -39,8 +40,9 @@ def resources(kernel, pointers: dict, scalars: dict, consts: dict, warps: int) -
     # a launch specializes pointers to 16-byte alignment; without the hint loads do not vectorize and the
     # registers counted here would be those of a kernel that never runs
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in pointers if n in names}
+    options = {"num_warps": warps, "maxnreg": maxnreg}
     compiled = triton.compile(ASTSource(fn=fn, signature=types, constexprs=constexprs, attrs=attrs),
-                              target=TARGET, options={"num_warps": warps})  # fmt: skip
+                              target=TARGET, options=options)  # fmt: skip
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(compiled.asm["cubin"])
     tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
@@ -63,18 +65,22 @@ def main() -> None:
                       A_log=None, dt_bias=None)  # fmt: skip
         print(f"step kernel, {decay} decay, BV={bv}, {warps} warps:",
               resources(lq.step_kernel, step_ptrs, {"qk_scale": "fp32"}, consts, warps))  # fmt: skip
-    close_ptrs = dict(common, close_list="*i32", close_count="*i32", work="*fp32", uwork="*fp32")
-    for rank in (0, 4, 8):
-        consts = dict(K=128, V=128, P=16, R=rank, BV=32, BP=16, BR=16, ITERS=1, RESIDUAL=2, SMOOTH=True,
-                      VECTOR_DECAY=False, DOT="tf32x3")  # fmt: skip
-        scalars = {"smooth_floor": "fp32", "qmax": "fp32"}
-        usage = resources(lq.close_kernel, close_ptrs, scalars, consts, 8)
-        print(f"close kernel, r={rank}, BV=32, 8 warps: {usage}")
+    close_ptrs = dict(common, close_list="*i32", close_count="*i32")
+    scalars = {"smooth_floor": "fp32", "qmax": "fp32"}
+    shapes = ((4, False, 32, 4, None), (4, True, 32, 4, None), (8, False, 32, 4, None),
+              (0, False, 32, 4, None), (4, False, 16, 4, 128), (4, True, 16, 4, 128),
+              (4, False, 32, 4, 128))  # fmt: skip
+    for rank, decay, bv, warps, maxnreg in shapes:
+        br = 1 << max(0, rank - 1).bit_length()
+        consts = dict(K=128, V=128, P=16, R=rank, BV=bv, BR=br, BP=16, ITERS=1, RESIDUAL=2, SMOOTH=True,
+                      VECTOR_DECAY=decay, REC16=True)  # fmt: skip
+        usage = resources(cc.close_kernel, close_ptrs, scalars, consts, warps, maxnreg)
+        kind = "vector" if decay else "scalar"
+        print(f"chunked close, r={rank}, {kind} decay, BV={bv}, {warps} warps, maxnreg {maxnreg}: {usage}")
     rank1_ptrs = dict(common, close_list="*i32", close_count="*i32")
     for rank, decay, warps in ((4, False, 4), (4, True, 4), (8, False, 4), (0, False, 4), (4, False, 8)):
         consts = dict(K=128, V=128, P=16, R=rank, BR=max(1, rank), ITERS=1, RESIDUAL=2, SMOOTH=True,
                       VECTOR_DECAY=decay, STAGES=2)  # fmt: skip
-        scalars = {"smooth_floor": "fp32", "qmax": "fp32"}
         usage = resources(c1.close_rank1_kernel, rank1_ptrs, scalars, consts, warps)
         print(f"rank-one close, r={rank}, {'vector' if decay else 'scalar'} decay, {warps} warps: {usage}")
 

@@ -303,16 +303,16 @@ def test_gate_and_beta_activation_in_the_kernel(family):
         pytest.param("kda", "int8", 4, True, 1, 0.0, id="kda-int8-r4-from-zero"),
     ],
 )
-def test_rank1_close_matches_the_persistent_close(family, residual, rank, smooth, iters, scale):
-    """``LaunchConfig(close="rank1")`` (state in registers) computes the same windows as the chunked
-    persistent close."""
+def test_rank1_close_matches_the_chunked_close(family, residual, rank, smooth, iters, scale):
+    """``LaunchConfig(close="rank1")`` (state in registers) computes the same windows as the chunked close
+    (state rebuilt from the pool at every pass)."""
     from leapquant.ops.leapquant_decode import LaunchConfig
 
     gen = torch.Generator(device=DEVICE).manual_seed(rank)
     cfg = PoolConfig(heads=2, d_k=K, d_v=V, window=4, compensators=rank, smoothing=smooth, residual=residual,
                      decay="vector" if family == "kda" else "scalar", power_iters=iters)  # fmt: skip
     slots = torch.tensor([3, -1, 0], dtype=torch.int32, device=DEVICE)
-    launches = [LaunchConfig(close="rank1", rank1_warps=4), LaunchConfig(close="persistent")]
+    launches = [LaunchConfig(close="rank1", rank1_warps=4), LaunchConfig(close="chunked")]
     pools = [LeapQuantPool.allocate(cfg, 5, DEVICE) for _ in launches]
     s0 = scale * torch.randn(3, 2, K, V, generator=gen, device=DEVICE)
     for pool in pools:

@@ -54,14 +54,17 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     k.add_argument("--close-bv", type=int, default=None, help="launch: value rows per close chunk")
     k.add_argument("--close-warps", type=int, default=None, help="launch: warps per close program")
     k.add_argument("--close-programs", type=int, default=None, help="launch: close programs per SM")
-    k.add_argument(
-        "--close", choices=("persistent", "rank1"), default=None, help="launch: window-close path"
-    )
+    k.add_argument("--close-maxnreg", type=int, default=None, help="launch: chunked-close register cap")
+    k.add_argument("--close", choices=("chunked", "rank1"), default=None, help="launch: window-close path")
     k.add_argument(
         "--tune",
-        action="store_true",
+        nargs="?",
+        const="all",
+        choices=("all", "close"),
+        default=None,
         help="before the variants, time a small grid of launch shapes per family (step-only and full "
-        "leapquant-int8 at the first N) and use the fastest; the kernels are never autotuned in place",
+        "leapquant-int8 at the first N; 'close': the close shapes only) and use the fastest; the kernels "
+        "are never autotuned in place",
     )
     k.add_argument(
         "--sweep-at",
@@ -202,6 +205,7 @@ def run_kernel(args: argparse.Namespace) -> int:
         "close_bv": args.close_bv,
         "close_warps": args.close_warps,
         "close_programs_per_sm": args.close_programs,
+        "close_maxnreg": args.close_maxnreg,
         "close": args.close,
     }
     overrides = {k: v for k, v in overrides.items() if v is not None}
@@ -243,7 +247,7 @@ def run_kernel(args: argparse.Namespace) -> int:
         shape = launch
         if args.tune:
             case = KernelCase(family=family, n=sizes[0], heads=args.heads, key_heads=key_heads)
-            shape = _tune(case, launch, measure, report, con)
+            shape = _tune(case, launch, measure, report, con, step=args.tune == "all")
             save()
         report["launch"][family] = shape.__dict__
         runs = [(n, variants, "main") for n in sizes]
@@ -283,8 +287,8 @@ def run_kernel(args: argparse.Namespace) -> int:
 
 
 # Launch shapes tried by --tune: (value rows per chunk, warps, pipeline stages, fast int8 conversion) of
-# the step kernel, then (value rows per chunk, warps, programs per SM, product precision, close kernel) of the
-# close path (the "rank1" close has no row chunks: it holds the whole state).
+# the step kernel, then (value rows per chunk, warps, programs per SM, register cap, close kernel) of the
+# close path (the "rank1" close has no row chunks: it holds the whole state in all 255 registers).
 STEP_SHAPES = (
     (32, 4, 2, True),
     (32, 4, 4, True),
@@ -297,21 +301,23 @@ STEP_SHAPES = (
     (64, 8, 2, True),
 )
 CLOSE_SHAPES = (
-    (32, 8, 1, "tf32x3", "persistent"),
-    (0, 8, 1, "", "rank1"),
-    (0, 8, 2, "", "rank1"),
-    (0, 16, 1, "", "rank1"),
-    (0, 4, 2, "", "rank1"),
-    (0, 4, 4, "", "rank1"),
+    (0, 4, 2, None, "rank1"),
+    (32, 4, 2, None, "chunked"),
+    (32, 4, 4, 128, "chunked"),
+    (16, 4, 4, 128, "chunked"),
+    (16, 2, 4, None, "chunked"),
+    (32, 8, 1, None, "chunked"),
+    (64, 8, 2, 128, "chunked"),
 )
 
 
-def _tune(case, launch, measure, report, con):
-    """Pick the fastest step shape on ``leapquant-int8:step``, then the close shape on ``leapquant-int8``."""
+def _tune(case, launch, measure, report, con, *, step: bool = True):
+    """Pick the fastest step shape on ``leapquant-int8:step`` (unless ``step`` is false), then the close
+    shape on ``leapquant-int8``."""
     from dataclasses import replace
 
     best, best_ms = launch, float("inf")
-    for bv, warps, stages, fast in STEP_SHAPES:
+    for bv, warps, stages, fast in STEP_SHAPES if step else ():
         shape = replace(launch, step_bv=bv, step_warps=warps, step_stages=stages, fast_cvt=fast)
         row = measure("leapquant-int8:step", case, shape)
         report["tuning"].append(row)
@@ -319,13 +325,12 @@ def _tune(case, launch, measure, report, con):
             best, best_ms = shape, row["ms"]
         con.print(f"tune {case.family} step {shape}: {row.get('ms', float('nan')) * 1e3:.1f} us")
     chosen, best_ms = best, float("inf")
-    for bv, warps, programs, dot, close in CLOSE_SHAPES:
+    for bv, warps, programs, maxnreg, close in CLOSE_SHAPES:
         if close == "rank1":
             shape = replace(best, rank1_warps=warps, rank1_programs_per_sm=programs, close=close)
         else:
-            shape = replace(
-                best, close_bv=bv, close_warps=warps, close_programs_per_sm=programs, dot=dot, close=close
-            )
+            shape = replace(best, close_bv=bv, close_warps=warps, close_programs_per_sm=programs,
+                            close_maxnreg=maxnreg, close=close)  # fmt: skip
         row = measure("leapquant-int8", case, shape)
         report["tuning"].append(row)
         if "error" not in row and row["ms"] < best_ms:

@@ -223,17 +223,6 @@ class LeapQuantPool:
             )
         return self.__dict__["_close_list"]
 
-    def workspace(self, programs: int, rank_block: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Close-kernel scratch: fp32 ``[programs, V, K]`` and ``[programs, rank_block, V]``."""
-        key = ("_workspace", programs, rank_block)
-        if key not in self.__dict__:
-            cfg = self.config
-            self.__dict__[key] = (
-                torch.empty(programs, cfg.d_v, cfg.d_k, dtype=torch.float32, device=self.device),
-                torch.empty(programs, rank_block, cfg.d_v, dtype=torch.float32, device=self.device),
-            )
-        return self.__dict__[key]
-
     @property
     def device(self) -> torch.device:
         return self.tensors["pos"].device

@@ -25,7 +25,7 @@ from . import naive
 __all__ = ["LaunchConfig", "leapquant_decode", "leapquant_step_records", "load_states", "materialize_states"]
 
 BACKENDS = ("auto", "triton", "reference")
-CLOSE_PATHS = ("persistent", "rank1")
+CLOSE_PATHS = ("chunked", "rank1")
 
 
 @dataclass(frozen=True)
@@ -35,31 +35,31 @@ class LaunchConfig:
     Attributes:
         step_bv: value rows per chunk of the step kernel (one program per head walks ``V / step_bv`` chunks).
         step_warps: warps per step program.
-        close_bv: value rows per chunk of the window-close path.
-        close_warps: warps per close program.
-        close_programs_per_sm: persistent close programs per multiprocessor (each owns a 64 KB scratch tile).
         step_stages: software-pipelining depth of the step kernel's loop over value chunks.
         fast_cvt: int8 -> fp32 through exponent bits (integer add + fp add) instead of the conversion unit.
-        dot: precision of the window-close matrix products: ``"ieee"`` (fp32 FMAs) or ``"tf32x3"``
-            (three tf32 tensor-core products, fp32-level accuracy).
-        close: ``"persistent"`` (``close_kernel``: a program walks each closing head through a scratch tile in
-            value-row chunks) or ``"rank1"`` (``close_rank1_kernel``: the head's whole state in registers,
-            rank-one updates and matrix-vector reductions only; the tuned default).
-        rank1_warps: warps per program of the ``"rank1"`` close (each holds a head's whole state in registers,
-            ``close_rank1.py``).
+        close: ``"chunked"`` (``close.py``: the state streamed through registers in value-row chunks and
+            rebuilt from the pool at each pass, so many heads close side by side) or ``"rank1"``
+            (``close_rank1.py``: the head's whole state in registers, rank-one updates and matrix-vector
+            reductions only).
+        close_bv: value rows per chunk of the ``"chunked"`` close (and of prefill hand-off/materialization).
+        close_warps: warps per ``"chunked"`` close program.
+        close_programs_per_sm: persistent ``"chunked"`` close programs per multiprocessor.
+        close_maxnreg: register cap per thread of the ``"chunked"`` close (``None``: the compiler's choice);
+            a lower cap lets more close programs share a multiprocessor, at the price of spills.
+        rank1_warps: warps per program of the ``"rank1"`` close.
         rank1_programs_per_sm: persistent ``"rank1"`` close programs per multiprocessor.
         rank1_stages: software-pipelining depth of the ``"rank1"`` close's loop over records.
     """
 
     step_bv: int = 32
     step_warps: int = 4
-    close_bv: int = 32
-    close_warps: int = 8
-    close_programs_per_sm: int = 1
     step_stages: int = 2
     fast_cvt: bool = True
-    dot: str = "tf32x3"
-    close: str = "persistent"
+    close: str = "chunked"
+    close_bv: int = 32
+    close_warps: int = 4
+    close_programs_per_sm: int = 2
+    close_maxnreg: int | None = None
     rank1_warps: int = 8
     rank1_programs_per_sm: int = 2
     rank1_stages: int = 2
@@ -67,10 +67,9 @@ class LaunchConfig:
     @classmethod
     def tuned(cls, decay: str) -> LaunchConfig:
         """The shapes ``bench kernel --tune`` picked on the H200 (BENCHMARKS.md) for GDN or KDA pools."""
-        close = dict(close="rank1", rank1_warps=4, rank1_programs_per_sm=2)
         if decay == "scalar":
-            return cls(step_bv=8, step_warps=1, step_stages=4, **close)
-        return cls(step_bv=32, step_warps=4, step_stages=4, **close)
+            return cls(step_bv=8, step_warps=1, step_stages=4)
+        return cls(step_bv=32, step_warps=4, step_stages=4)
 
     def __post_init__(self) -> None:
         if self.close not in CLOSE_PATHS:
@@ -81,6 +80,8 @@ class LaunchConfig:
                 raise LeapQuantError(f"launch: {name} must be a power of two, got {x}")
         if self.close_bv < 16:
             raise LeapQuantError(f"launch: close_bv must be >= 16 (a tl.dot operand), got {self.close_bv}")
+        if self.close_maxnreg is not None and not 32 <= self.close_maxnreg <= 255:
+            raise LeapQuantError(f"launch: close_maxnreg must be in 32..255, got {self.close_maxnreg}")
         for name in ("close_programs_per_sm", "rank1_programs_per_sm", "rank1_stages"):
             if getattr(self, name) < 1:
                 raise LeapQuantError(f"launch: {name} must be >= 1, got {getattr(self, name)}")
@@ -170,8 +171,8 @@ def _close_grid(pool: LeapQuantPool, n: int, programs_per_sm: int) -> int:
     return max(1, min(n * pool.config.heads, sms * programs_per_sm))
 
 
-def _launch_close(pool: LeapQuantPool, n: int, launch: LaunchConfig) -> None:
-    """Close the windows of the heads the step kernel listed (``launch.close`` picks the kernel)."""
+def _close_args(pool: LeapQuantPool) -> tuple[tuple, dict]:
+    """Pool tensors and shape constants every close-path kernel takes."""
     from ...methods.smoothing import SMOOTHING_FLOOR
     from .fused_recurrent import RESIDUAL_CODES
 
@@ -179,53 +180,53 @@ def _launch_close(pool: LeapQuantPool, n: int, launch: LaunchConfig) -> None:
     t = pool.tensors
     dummy = t["pos"]
     code, qmax = RESIDUAL_CODES[cfg.residual]
-    list_, count = pool.close_list()
-    common = (
+    tensors = (
         t["payload"], t.get("scale", dummy), t.get("smooth", dummy), t.get("comp_k", dummy),
         t.get("comp_u", dummy), t["rec_g"], t["rec_k"], t["rec_u"], t["pos"], SMOOTHING_FLOOR, qmax,
     )  # fmt: skip
-    shape = dict(K=cfg.d_k, V=cfg.d_v, P=cfg.window, R=cfg.compensators, ITERS=cfg.power_iters, RESIDUAL=code,
-                 SMOOTH=cfg.smoothing, VECTOR_DECAY=cfg.decay == "vector")  # fmt: skip
+    shape = dict(K=cfg.d_k, V=cfg.d_v, P=cfg.window, R=cfg.compensators, RESIDUAL=code, SMOOTH=cfg.smoothing,
+                 VECTOR_DECAY=cfg.decay == "vector")  # fmt: skip
+    return tensors, shape
+
+
+def _chunked_shape(pool: LeapQuantPool, launch: LaunchConfig) -> dict:
+    cfg = pool.config
+    return dict(BV=min(cfg.d_v, launch.close_bv), BR=_pow2(cfg.compensators), BP=_pow2(cfg.window, 16),
+                REC16=cfg.records == "fp16", num_warps=launch.close_warps)  # fmt: skip
+
+
+def _launch_close(pool: LeapQuantPool, n: int, launch: LaunchConfig) -> None:
+    """Close the windows of the heads the step kernel listed (``launch.close`` picks the kernel)."""
+    cfg = pool.config
+    tensors, shape = _close_args(pool)
+    list_, count = pool.close_list()
     if launch.close == "rank1":
         from .close_rank1 import close_rank1_kernel
 
         grid = _close_grid(pool, n, launch.rank1_programs_per_sm)
         close_rank1_kernel[(grid,)](
-            list_, count, *common, BR=_pow2(cfg.compensators), STAGES=launch.rank1_stages,
-            num_warps=launch.rank1_warps, **shape,
+            list_, count, *tensors, BR=_pow2(cfg.compensators), ITERS=cfg.power_iters,
+            STAGES=launch.rank1_stages, num_warps=launch.rank1_warps, **shape,
         )  # fmt: skip
         return
-    from .fused_recurrent import close_kernel
+    from .close import close_kernel
 
     grid = _close_grid(pool, n, launch.close_programs_per_sm)
-    br = _pow2(cfg.compensators, 16)
-    work, uwork = pool.workspace(grid, br)
     close_kernel[(grid,)](
-        list_, count, work, uwork, *common, BV=min(cfg.d_v, launch.close_bv), BP=_pow2(cfg.window, 16), BR=br,
-        DOT=launch.dot, num_warps=launch.close_warps, **shape,
+        list_, count, *tensors, ITERS=cfg.power_iters, maxnreg=launch.close_maxnreg, **shape,
+        **_chunked_shape(pool, launch),
     )  # fmt: skip
 
 
 def _launch_boundary(pool: LeapQuantPool, slots: torch.Tensor, dense: torch.Tensor, mode: int, kv: bool):
-    from ...methods.smoothing import SMOOTHING_FLOOR
-    from .fused_recurrent import RESIDUAL_CODES, boundary_kernel
+    from .close import boundary_kernel
 
     cfg = pool.config
-    t = pool.tensors
-    dummy = t["pos"]
+    tensors, shape = _close_args(pool)
     launch = LaunchConfig()
-    code, qmax = RESIDUAL_CODES[cfg.residual]
-    br = _pow2(cfg.compensators, 16)
-    programs = slots.shape[0] * cfg.heads
-    work = torch.empty(programs, cfg.d_v, cfg.d_k, dtype=torch.float32, device=pool.device)
-    uwork = torch.empty(programs, br, cfg.d_v, dtype=torch.float32, device=pool.device)
-    boundary_kernel[(programs,)](
-        slots, dense, work, uwork, t["payload"], t.get("scale", dummy), t.get("smooth", dummy),
-        t.get("comp_k", dummy), t.get("comp_u", dummy), t["rec_g"], t["rec_k"], t["rec_u"], t["pos"],
-        SMOOTHING_FLOOR, qmax, HV=cfg.heads, K=cfg.d_k, V=cfg.d_v, P=cfg.window, R=cfg.compensators,
-        BV=min(cfg.d_v, launch.close_bv), BP=_pow2(cfg.window, 16), BR=br, MODE=mode, DENSE_KV=kv,
-        ITERS=cfg.cold_iters, RESIDUAL=code, SMOOTH=cfg.smoothing,
-        VECTOR_DECAY=cfg.decay == "vector", DOT=launch.dot, num_warps=launch.close_warps,
+    boundary_kernel[(slots.shape[0] * cfg.heads,)](
+        slots, dense, *tensors, HV=cfg.heads, MODE=mode, DENSE_KV=kv, ITERS=cfg.cold_iters, **shape,
+        **_chunked_shape(pool, launch),
     )  # fmt: skip
 
 
@@ -371,7 +372,9 @@ def load_states(
     if not torch.isfinite(states).all():
         raise LeapQuantError("states has a NaN or Inf")
     if _use_triton(pool, backend):
-        _launch_boundary(pool, slots, states.float().contiguous(), 1, layout == "kv")
+        from .close import MODE_LOAD
+
+        _launch_boundary(pool, slots, states.float().contiguous(), MODE_LOAD, layout == "kv")
     else:
         naive.load_ref(pool, slots, states.float(), layout=layout)
 
@@ -386,7 +389,9 @@ def materialize_states(
         raise LeapQuantError(f"layout must be 'kv' or 'vk', got {layout!r}")
     if _use_triton(pool, backend):
         dims = (cfg.d_k, cfg.d_v) if layout == "kv" else (cfg.d_v, cfg.d_k)
+        from .close import MODE_MATERIALIZE
+
         out = torch.empty(slots.shape[0], cfg.heads, *dims, dtype=torch.float32, device=pool.device)
-        _launch_boundary(pool, slots, out, 2, layout == "kv")
+        _launch_boundary(pool, slots, out, MODE_MATERIALIZE, layout == "kv")
         return out
     return naive.materialize_ref(pool, slots, layout=layout)

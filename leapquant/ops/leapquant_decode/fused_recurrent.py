@@ -1,4 +1,5 @@
-"""Triton kernels of the LeapQuant decode step (GDN and KDA) on a :class:`~leapquant.ops.pool.LeapQuantPool`.
+"""Triton step kernel of the LeapQuant decode (GDN and KDA) on a :class:`~leapquant.ops.pool.LeapQuantPool`,
+and the row helpers the window-close kernels share.
 
 One decode step is two launches (plus a 4-byte memset):
 
@@ -7,17 +8,12 @@ One decode step is two launches (plus a 4-byte memset):
    chunks of ``BV``: each chunk of the fixed boundary residual is read once for both the delta read and the
    output read (paper eq. 10).  It writes the output and the new record ``(g_i, k_i, u_i)``, advances the
    window position, and appends heads that complete a window to a list.
-2. ``close_kernel`` (a persistent grid of a few programs per SM): walks that list.  For each head it
-   reconstructs the fp32 state from the boundary and the ``P`` records into a per-program scratch tile,
-   refits the compensator tokens by power iteration warm-started from the previous ones, recomputes the
-   smoothing and per-value-channel scales, and writes the new quantized boundary.  Only heads that close a
-   window cost anything, and the work is spread over the whole GPU.
+2. a close kernel (``close.py``, or ``close_rank1.py``) walks that list: for each head it reconstructs the
+   state from the boundary and the ``P`` records, refits the compensator tokens by power iteration
+   warm-started from the previous ones, recomputes the smoothing and per-value-channel scales, and writes
+   the new quantized boundary.  Only heads that close a window cost anything.
 
-``boundary_kernel`` runs the same close path for every head it is given: prefill hand-off (``MODE=LOAD``,
-cold-started fit from dense states) and materialization (``MODE=MATERIALIZE``).
-
-All loops over value rows keep tiles at ``[BV, K]``, so registers stay small and loads pipeline.  The
-kernels are not autotuned: they update the pool in place, and an autotuner would replay them on the same
+The kernels are not autotuned: they update the pool in place, and an autotuner would replay them on the same
 pool while timing (mamba_ssm's ``selective_state_update`` makes the same choice; see ``LaunchConfig``).
 Slots given as -1 are padding: their output rows are zero and no byte of the pool is touched.
 """
@@ -29,17 +25,8 @@ import triton.language as tl
 
 from ..common import bf16_grid, e4m3_grid, native_token, rint
 
-__all__ = [
-    "MODE_LOAD",
-    "MODE_MATERIALIZE",
-    "RESIDUAL_CODES",
-    "boundary_kernel",
-    "close_kernel",
-    "step_kernel",
-]
+__all__ = ["RESIDUAL_CODES", "step_kernel"]
 
-MODE_LOAD = 1
-MODE_MATERIALIZE = 2
 # residual format -> (code in the kernels, element max)
 RESIDUAL_CODES = {
     "fp32": (0, 0.0),
@@ -285,80 +272,6 @@ def _orthonormalize_rows(b_z, o_r, R: tl.constexpr):
 
 
 @triton.jit
-def _boundary_rows(
-    i_s, o_v, o_k, count, payload, scale_v, smooth, comp_k, comp_u, rec_g, rec_k, rec_u,
-    K: tl.constexpr, V: tl.constexpr, P: tl.constexpr, R: tl.constexpr, BP: tl.constexpr, BR: tl.constexpr,
-    RESIDUAL: tl.constexpr, SMOOTH: tl.constexpr, VECTOR_DECAY: tl.constexpr, DOT: tl.constexpr,
-):  # fmt: skip
-    """Rows ``o_v`` of the dense state after ``count`` records of the window, ``[BV, K]`` fp32 (eq. 7)."""
-    b_s = _residual_rows(payload, i_s, o_v, o_k, K, V, RESIDUAL)
-    if RESIDUAL >= 2:
-        b_s = b_s * tl.load(scale_v + i_s * V + o_v)[:, None]
-    if SMOOTH:
-        b_s = b_s * tl.load(smooth + i_s * K + o_k)[None, :]
-    if R > 0:
-        o_r = tl.arange(0, BR)
-        mask_r = o_r < R
-        b_ck = tl.load(comp_k + (i_s * R + o_r[:, None]) * K + o_k[None, :], mask=mask_r[:, None], other=0)
-        b_cu = tl.load(comp_u + (i_s * R + o_r[:, None]) * V + o_v[None, :], mask=mask_r[:, None], other=0)
-        b_s += tl.dot(tl.trans(b_cu.to(tl.float32)), b_ck.to(tl.float32), input_precision=DOT)
-    if count > 0:
-        o_p = tl.arange(0, BP)
-        mask_p = o_p < count
-        if VECTOR_DECAY:
-            b_gend = tl.load(rec_g + (i_s * P + count - 1) * K + o_k)
-            b_gj = tl.load(
-                rec_g + (i_s * P + o_p[:, None]) * K + o_k[None, :], mask=mask_p[:, None], other=0.0
-            )
-            b_s = b_s * tl.exp(b_gend)[None, :]
-            b_dec = tl.exp(b_gend[None, :] - b_gj)
-        else:
-            b_gend = tl.load(rec_g + i_s * P + count - 1)
-            b_gj = tl.load(rec_g + i_s * P + o_p, mask=mask_p, other=0.0)
-            b_s = b_s * tl.exp(b_gend)
-            b_dec = tl.exp(b_gend - b_gj)[:, None]
-        b_rk = tl.load(rec_k + (i_s * P + o_p[:, None]) * K + o_k[None, :], mask=mask_p[:, None], other=0)
-        b_ru = tl.load(rec_u + (i_s * P + o_p[:, None]) * V + o_v[None, :], mask=mask_p[:, None], other=0)
-        b_keys = tl.where(mask_p[:, None], b_rk.to(tl.float32) * b_dec, 0.0)
-        b_s += tl.dot(tl.trans(b_ru.to(tl.float32)), b_keys, input_precision=DOT)
-    return b_s
-
-
-@triton.jit
-def _fit_tokens(
-    i_s, work, uwork, z0, comp_u, WARM: tl.constexpr, ITERS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    R: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr, DOT: tl.constexpr,
-):  # fmt: skip
-    """Subspace iteration on the state in ``work [V, K]``: returns orthonormal key vectors ``Q [BR, K]``.
-
-    ``z0 = (S_kv @ U0)^T`` for the starting vectors ``U0`` has already been accumulated by the caller (in
-    the same pass that built ``work``); each further iteration is one pass ``U = S_kv^T Q`` into ``uwork``
-    and one pass ``z = S_kv @ U``.
-    """
-    o_k = tl.arange(0, K)
-    o_b = tl.arange(0, BV)
-    o_r = tl.arange(0, BR)
-    b_qk = _orthonormalize_rows(z0, o_r, R)
-    for _ in range(ITERS - 1):
-        for v0 in tl.range(0, V, BV):
-            o_v = v0 + o_b
-            b_rows = tl.load(work + o_v[:, None] * K + o_k[None, :])
-            tl.store(
-                uwork + o_r[:, None] * V + o_v[None, :], tl.dot(b_qk, tl.trans(b_rows), input_precision=DOT)
-            )
-        tl.debug_barrier()
-        b_z = tl.zeros([BR, K], dtype=tl.float32)
-        for v0 in tl.range(0, V, BV):
-            o_v = v0 + o_b
-            b_rows = tl.load(work + o_v[:, None] * K + o_k[None, :])
-            b_basis = tl.where((o_r < R)[:, None], tl.load(uwork + o_r[:, None] * V + o_v[None, :]), 0.0)
-            b_z += tl.dot(b_basis, b_rows, input_precision=DOT)
-        tl.debug_barrier()
-        b_qk = _orthonormalize_rows(b_z, o_r, R)
-    return b_qk
-
-
-@triton.jit
 def _start_basis(i_s, o_r, o_v, comp_u, b_usable, WARM: tl.constexpr, V: tl.constexpr, R: tl.constexpr):
     """Starting value vectors of the fit, ``[BR, BV]``: the previous tokens, or hashed +-1 where unusable."""
     b_start = _start_vectors(o_r, o_v)
@@ -403,52 +316,6 @@ def _store_rows(b_rows, payload, scale_v, i_s, o_v, qmax, K: tl.constexpr, V: tl
 
 
 @triton.jit
-def _compress(
-    i_s, work, b_qk, payload, scale_v, smooth, comp_k, comp_u, smooth_floor, qmax, K: tl.constexpr,
-    V: tl.constexpr, R: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr, RESIDUAL: tl.constexpr,
-    SMOOTH: tl.constexpr, DOT: tl.constexpr,
-):  # fmt: skip
-    """Store tokens ``Q`` and ``U = S_kv^T Q`` (fp16), then smooth and quantize ``S - Q^T U`` into ``i_s``.
-
-    Two passes over the state in ``work [V, K]``: the first writes ``U`` row chunks and sums ``|R|`` per key
-    for the smoothing scales, the second recomputes the residual chunk (cheaper than storing it) and
-    quantizes it with per-value-channel scales, a reduction along the keys of each row.
-    """
-    o_k = tl.arange(0, K)
-    o_b = tl.arange(0, BV)
-    if R > 0:
-        o_r = tl.arange(0, BR)
-        mask_r = o_r < R
-        b_ck16 = b_qk.to(tl.float16)
-        tl.store(comp_k + (i_s * R + o_r[:, None]) * K + o_k[None, :], b_ck16, mask=mask_r[:, None])
-        b_ck = b_ck16.to(tl.float32)
-    if R > 0 or SMOOTH:  # without tokens or smoothing there is nothing to learn before quantizing
-        b_csum = tl.zeros([K], dtype=tl.float32)
-        for v0 in tl.range(0, V, BV):
-            o_v = v0 + o_b
-            b_rows = tl.load(work + o_v[:, None] * K + o_k[None, :])
-            if R > 0:
-                b_cu16 = tl.dot(b_qk, tl.trans(b_rows), input_precision=DOT).to(tl.float16)  # [BR, BV]
-                tl.store(comp_u + (i_s * R + o_r[:, None]) * V + o_v[None, :], b_cu16, mask=mask_r[:, None])
-                b_rows -= tl.dot(tl.trans(tl.where(mask_r[:, None], b_cu16.to(tl.float32), 0.0)), b_ck,
-                                 input_precision=DOT)  # fmt: skip
-            b_csum += tl.sum(tl.abs(b_rows), 0)
-        if SMOOTH:  # c_k = sqrt(mean_v |R_vk|), stored fp32
-            b_c = tl.maximum(tl.sqrt(b_csum / V), smooth_floor)
-            tl.store(smooth + i_s * K + o_k, b_c)
-    for v0 in tl.range(0, V, BV):
-        o_v = v0 + o_b
-        b_rows = tl.load(work + o_v[:, None] * K + o_k[None, :])
-        if R > 0:
-            b_cu16 = tl.dot(b_qk, tl.trans(b_rows), input_precision=DOT).to(tl.float16)
-            b_rows -= tl.dot(tl.trans(tl.where(mask_r[:, None], b_cu16.to(tl.float32), 0.0)), b_ck,
-                             input_precision=DOT)  # fmt: skip
-        if SMOOTH:
-            b_rows = tl.math.div_rn(b_rows, b_c[None, :])
-        _store_rows(b_rows, payload, scale_v, i_s, o_v, qmax, K, V, BV, RESIDUAL)
-
-
-@triton.jit
 def _usable(i_s, comp_u, WARM: tl.constexpr, V: tl.constexpr, R: tl.constexpr, BV: tl.constexpr,
             BR: tl.constexpr):  # fmt: skip
     """Which previous value vectors can warm-start the fit (non-zero), ``[BR]`` bool."""
@@ -462,108 +329,3 @@ def _usable(i_s, comp_u, WARM: tl.constexpr, V: tl.constexpr, R: tl.constexpr, B
             )
             b_norm += tl.sum(b_u.to(tl.float32) * b_u.to(tl.float32), 1)
     return tl.sqrt(b_norm) > 1e-30
-
-
-@triton.jit(do_not_specialize=["smooth_floor", "qmax"])
-def close_kernel(
-    close_list, close_count, work, uwork, payload, scale_v, smooth, comp_k, comp_u, rec_g, rec_k, rec_u, pos,
-    smooth_floor, qmax,
-    K: tl.constexpr, V: tl.constexpr, P: tl.constexpr, R: tl.constexpr, BV: tl.constexpr, BP: tl.constexpr,
-    BR: tl.constexpr, ITERS: tl.constexpr, RESIDUAL: tl.constexpr, SMOOTH: tl.constexpr,
-    VECTOR_DECAY: tl.constexpr, DOT: tl.constexpr,
-):  # fmt: skip
-    """Persistent: program ``pid`` closes list entries ``pid, pid + grid, ...`` (heads that just filled a
-    window), each through its own scratch tile ``work[pid]``."""
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    o_k = tl.arange(0, K)
-    o_b = tl.arange(0, BV)
-    o_r = tl.arange(0, BR)
-    p_work = work + pid.to(tl.int64) * V * K
-    p_uwork = uwork + pid.to(tl.int64) * BR * V
-    count = tl.load(close_count)
-    for idx in range(pid, count, nprog):
-        i_s = tl.load(close_list + idx).to(tl.int64)
-        b_usable = _usable(i_s, comp_u, True, V, R, BV, BR)
-        b_z = tl.zeros([BR, K], dtype=tl.float32)
-        for v0 in tl.range(0, V, BV):  # reconstruct S (eq. 7) and start the fit in the same pass
-            o_v = v0 + o_b
-            b_rows = _boundary_rows(
-                i_s, o_v, o_k, P, payload, scale_v, smooth, comp_k, comp_u, rec_g, rec_k, rec_u,
-                K, V, P, R, BP, BR, RESIDUAL, SMOOTH, VECTOR_DECAY, DOT,
-            )  # fmt: skip
-            tl.store(p_work + o_v[:, None] * K + o_k[None, :], b_rows)
-            if R > 0:
-                b_basis = _start_basis(i_s, o_r, o_v, comp_u, b_usable, True, V, R)
-                b_z += tl.dot(b_basis, b_rows, input_precision=DOT)
-        tl.debug_barrier()
-        b_qk = tl.zeros([BR, K], dtype=tl.float32)
-        if R > 0:
-            b_qk = _fit_tokens(i_s, p_work, p_uwork, b_z, comp_u, True, ITERS, K, V, R, BV, BR, DOT)
-        _compress(i_s, p_work, b_qk, payload, scale_v, smooth, comp_k, comp_u, smooth_floor, qmax,
-                  K, V, R, BV, BR, RESIDUAL, SMOOTH, DOT)  # fmt: skip
-        tl.store(pos + i_s, 0)
-        tl.debug_barrier()  # the next head reuses the scratch tile
-
-
-@triton.jit(do_not_specialize=["smooth_floor", "qmax"])
-def boundary_kernel(
-    slots, dense, work, uwork, payload, scale_v, smooth, comp_k, comp_u, rec_g, rec_k, rec_u, pos,
-    smooth_floor, qmax, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, P: tl.constexpr, R: tl.constexpr,
-    BV: tl.constexpr, BP: tl.constexpr, BR: tl.constexpr, MODE: tl.constexpr, DENSE_KV: tl.constexpr,
-    ITERS: tl.constexpr, RESIDUAL: tl.constexpr, SMOOTH: tl.constexpr,
-    VECTOR_DECAY: tl.constexpr, DOT: tl.constexpr,
-):  # fmt: skip
-    """One program per (sequence, head): LOAD quantizes ``dense`` into the slot with a cold-started fit;
-    MATERIALIZE writes the slot's dense state at its current position into ``dense``."""
-    i_nh = tl.program_id(0)
-    i_n, i_hv = i_nh // HV, i_nh % HV
-    o_k = tl.arange(0, K)
-    o_b = tl.arange(0, BV)
-    p_dense = dense + i_nh.to(tl.int64) * K * V
-    slot = tl.load(slots + i_n).to(tl.int64)
-    if slot < 0:
-        if MODE == 2:
-            for v0 in tl.range(0, V, BV):
-                o_v = v0 + o_b
-                if DENSE_KV:
-                    tl.store(p_dense + o_k[None, :] * V + o_v[:, None], tl.zeros([BV, K], dtype=tl.float32))
-                else:
-                    tl.store(p_dense + o_v[:, None] * K + o_k[None, :], tl.zeros([BV, K], dtype=tl.float32))
-        return
-    i_s = slot * HV + i_hv
-    p_work = work + i_nh.to(tl.int64) * V * K
-    p_uwork = uwork + i_nh.to(tl.int64) * BR * V
-    o_r = tl.arange(0, BR)
-    count = tl.load(pos + i_s)
-    b_z = tl.zeros([BR, K], dtype=tl.float32)
-    b_usable = o_r < 0  # LOAD starts cold: no previous tokens
-    for v0 in tl.range(0, V, BV):
-        o_v = v0 + o_b
-        if MODE == 1:
-            if DENSE_KV:
-                b_rows = tl.load(p_dense + o_k[None, :] * V + o_v[:, None])
-            else:
-                b_rows = tl.load(p_dense + o_v[:, None] * K + o_k[None, :])
-            tl.store(p_work + o_v[:, None] * K + o_k[None, :], b_rows)
-            if R > 0:
-                b_z += tl.dot(
-                    _start_basis(i_s, o_r, o_v, comp_u, b_usable, False, V, R), b_rows, input_precision=DOT
-                )
-        else:
-            b_rows = _boundary_rows(
-                i_s, o_v, o_k, count, payload, scale_v, smooth, comp_k, comp_u, rec_g, rec_k, rec_u,
-                K, V, P, R, BP, BR, RESIDUAL, SMOOTH, VECTOR_DECAY, DOT,
-            )  # fmt: skip
-            if DENSE_KV:
-                tl.store(p_dense + o_k[None, :] * V + o_v[:, None], b_rows)
-            else:
-                tl.store(p_dense + o_v[:, None] * K + o_k[None, :], b_rows)
-    if MODE == 1:
-        tl.debug_barrier()
-        b_qk = tl.zeros([BR, K], dtype=tl.float32)
-        if R > 0:
-            b_qk = _fit_tokens(i_s, p_work, p_uwork, b_z, comp_u, False, ITERS, K, V, R, BV, BR, DOT)
-        _compress(i_s, p_work, b_qk, payload, scale_v, smooth, comp_k, comp_u, smooth_floor, qmax,
-                  K, V, R, BV, BR, RESIDUAL, SMOOTH, DOT)  # fmt: skip
-        tl.store(pos + i_s, 0)

@@ -1,0 +1,309 @@
+"""Window close, prefill hand-off and materialization, the state streamed through registers by value rows.
+
+A closing head's dense state ``S [V, K]`` (eq. 7, V-first) is never held whole, neither in registers nor in a
+scratch tile.  It is a cheap function of what the pool already stores,
+
+    S[v, k] = scale_v[v] * codes[v, k] * col[k]  +  sum_j vals[j, v] * keys[j, k],
+
+where ``col`` is the smoothing scale times the decay to the window's end and the ``R + P`` rank-one terms
+(``j < R`` the compensator tokens, then the records) are one small matrix product per chunk of rows.  So
+every pass over the state (start the fit, ``ITERS - 1`` further iterations, smoothing sums, quantization)
+rebuilds its ``[BV, K]`` chunk from the int8 codes and the fp16 records instead of reading a 64 KB fp32
+copy: the head's factors ``col`` and ``keys`` are computed once, the codes and values of a chunk are ~6 KB
+that stay in L1/L2.  A program then needs a ``[BV, K]`` tile of registers, not ``[V, K]``, so many close
+programs share a multiprocessor and the ~1,000 heads that close in one decode step of a large batch run
+side by side instead of two per multiprocessor (the register-resident close, ``close_rank1.py``).
+
+Write order: a chunk's rows of the payload, scales and token values are read only while that chunk is
+rebuilt, so the last pass overwrites them chunk by chunk; the token keys and smoothing scales are read by
+every chunk and are written after a barrier at the end.
+
+The records term is a tensor-core product with one exact operand: GDN's stored fp16 keys (its decay is a
+scalar per record, folded into the values) or KDA's fp16 values (its decays act on the keys), so two tf32
+products of the other operand's high and low halves give fp32-level accuracy (``_tf32_split``).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .fused_recurrent import _orthonormalize_rows, _residual_rows, _start_basis, _store_rows, _usable
+
+__all__ = ["MODE_LOAD", "MODE_MATERIALIZE", "boundary_kernel", "close_kernel"]
+
+MODE_LOAD = 1
+MODE_MATERIALIZE = 2
+
+
+@triton.jit
+def _row(b_x, o_r, r):
+    """Row ``r`` of a small ``[BR, D]`` register tile, ``[D]``."""
+    return tl.sum(tl.where(o_r[:, None] == r, b_x, 0.0), 0)
+
+
+@triton.jit
+def _tf32_split(x):
+    """``x = hi + lo`` with ``hi`` exact in tf32 (low 13 mantissa bits cleared): two tf32 products against
+    an exact operand give fp32-level accuracy, where ``tf32x3`` needs three and splits both operands."""
+    hi = (x.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+    return hi, x - hi
+
+
+@triton.jit
+def _window_factors(
+    i_s, count, smooth, rec_g, rec_k, K: tl.constexpr, P: tl.constexpr, BP: tl.constexpr,
+    SMOOTH: tl.constexpr, VECTOR_DECAY: tl.constexpr, REC16: tl.constexpr,
+):  # fmt: skip
+    """The head's factors of the state after ``count`` records (loop invariants of every pass):
+
+    * ``end [K]``: the decay to the window's end (applied to the tokens), ``col = c * end [K]``;
+    * ``w [BP]``, ``keys_hi/keys_lo [BP, K]``: record ``j`` adds ``w_j u_j (keys_hi + keys_lo)_j^T``.  GDN's
+      decay is a scalar per record, so it goes into ``w`` and the keys stay the stored fp16 ones (exact tf32,
+      no ``lo`` part); KDA's decays act on key channels, so its keys carry them, split in two.  Zero rows
+      beyond ``count``.
+    """
+    o_k = tl.arange(0, K)
+    o_p = tl.arange(0, BP)
+    mask_p = o_p < count
+    b_keys = tl.load(rec_k + (i_s * P + o_p[:, None]) * K + o_k[None, :], mask=mask_p[:, None], other=0)
+    b_keys = b_keys.to(tl.float32)
+    if VECTOR_DECAY:
+        b_gend = tl.load(rec_g + (i_s * P + count - 1) * K + o_k, mask=(o_k * 0 + count) > 0, other=0.0)
+        b_gj = tl.load(rec_g + (i_s * P + o_p[:, None]) * K + o_k[None, :], mask=mask_p[:, None], other=0.0)
+        b_keys = tl.where(mask_p[:, None], b_keys * tl.exp(b_gend[None, :] - b_gj), 0.0)
+        b_end = tl.exp(b_gend)
+        b_w = tl.where(mask_p, 1.0, 0.0)
+    else:
+        b_gend = tl.load(rec_g + i_s * P + count - 1, mask=count > 0, other=0.0)
+        b_gj = tl.load(rec_g + i_s * P + o_p, mask=mask_p, other=0.0)
+        b_end = tl.exp(b_gend) + tl.zeros([K], dtype=tl.float32)
+        b_w = tl.where(mask_p, tl.exp(b_gend - b_gj), 0.0)
+    if VECTOR_DECAY and REC16:
+        b_khi, b_klo = _tf32_split(b_keys)
+    else:
+        b_khi, b_klo = b_keys, b_keys
+    if SMOOTH:
+        b_col = tl.load(smooth + i_s * K + o_k) * b_end
+    else:
+        b_col = b_end
+    return b_end, b_col, b_w, b_khi, b_klo
+
+
+@triton.jit
+def _records_term(b_vals, b_w, b_khi, b_klo, VECTOR_DECAY: tl.constexpr, REC16: tl.constexpr):
+    """``sum_j w_j u_j k_j^T`` of a chunk, ``[BV, K]``, from the values ``[BP, BV]`` of its rows."""
+    b_a = tl.trans(b_vals.to(tl.float32) * b_w[:, None])
+    if not REC16:  # fp32 records: neither operand is exact in tf32
+        return tl.dot(b_a, b_khi, input_precision="tf32x3")
+    elif VECTOR_DECAY:  # fp16 values (exact) against the split decayed keys
+        return tl.dot(b_a, b_klo, acc=tl.dot(b_a, b_khi, input_precision="tf32"), input_precision="tf32")
+    else:  # the split weighted values against the fp16 keys (exact)
+        b_ahi, b_alo = _tf32_split(b_a)
+        return tl.dot(b_alo, b_khi, acc=tl.dot(b_ahi, b_khi, input_precision="tf32"), input_precision="tf32")
+
+
+@triton.jit
+def _rows(
+    i_s, o_v, p_dense, b_end, b_col, b_w, b_khi, b_klo, count, payload, scale_v, comp_k, comp_u, rec_u,
+    K: tl.constexpr, V: tl.constexpr, P: tl.constexpr, R: tl.constexpr, BP: tl.constexpr,
+    RESIDUAL: tl.constexpr, DENSE: tl.constexpr, DENSE_KV: tl.constexpr, VECTOR_DECAY: tl.constexpr,
+    REC16: tl.constexpr,
+):  # fmt: skip
+    """Rows ``o_v`` of the state, ``[BV, K]`` fp32: read from ``p_dense`` (``DENSE``: a prefill state,
+    ``[K, V]`` when ``DENSE_KV``) or rebuilt from the pool through the head's factors."""
+    o_k = tl.arange(0, K)
+    if DENSE:
+        if DENSE_KV:
+            return tl.load(p_dense + o_k[None, :] * V + o_v[:, None])
+        else:
+            return tl.load(p_dense + o_v[:, None] * K + o_k[None, :])
+    else:
+        b_s = _residual_rows(payload, i_s, o_v, o_k, K, V, RESIDUAL)
+        if RESIDUAL >= 2:
+            b_s = b_s * tl.load(scale_v + i_s * V + o_v)[:, None]
+        b_s = b_s * b_col[None, :]
+        for r in range(R):  # tokens: R rank-one updates (identity decay, before the first record)
+            b_tk = tl.load(comp_k + (i_s * R + r) * K + o_k).to(tl.float32) * b_end
+            b_tu = tl.load(comp_u + (i_s * R + r) * V + o_v).to(tl.float32)
+            b_s += b_tu[:, None] * b_tk[None, :]
+        o_p = tl.arange(0, BP)
+        p_vals = rec_u + (i_s * P + o_p[:, None]) * V + o_v[None, :]
+        b_vals = tl.load(p_vals, mask=(o_p < count)[:, None], other=0)
+        return b_s + _records_term(b_vals, b_w, b_khi, b_klo, VECTOR_DECAY, REC16)
+
+
+@triton.jit
+def _values(b_rows, b_qk, o_r, R: tl.constexpr, BR: tl.constexpr, BV: tl.constexpr):
+    """Token values of a chunk, ``U^T = Q S^T``: ``[BR, BV]`` fp32 (rows beyond ``R`` zero)."""
+    b_u = tl.zeros([BR, BV], dtype=tl.float32)
+    for r in range(R):
+        b_u = tl.where(o_r[:, None] == r, tl.sum(b_rows * _row(b_qk, o_r, r)[None, :], 1)[None, :], b_u)
+    return b_u
+
+
+@triton.jit
+def _minus_tokens(b_rows, b_cu, b_ck, o_r, R: tl.constexpr):
+    """``S - U K^T`` on a chunk (``b_cu [BR, BV]``, ``b_ck [BR, K]``)."""
+    for r in range(R):
+        b_rows -= _row(b_cu, o_r, r)[:, None] * _row(b_ck, o_r, r)[None, :]
+    return b_rows
+
+
+@triton.jit
+def _requantize(
+    i_s, p_dense, b_end, b_col, b_w, b_khi, b_klo, count, payload, scale_v, smooth, comp_k, comp_u, rec_u,
+    smooth_floor, qmax, K: tl.constexpr, V: tl.constexpr, P: tl.constexpr, R: tl.constexpr, BV: tl.constexpr,
+    BR: tl.constexpr, BP: tl.constexpr, ITERS: tl.constexpr, RESIDUAL: tl.constexpr, SMOOTH: tl.constexpr,
+    DENSE: tl.constexpr, DENSE_KV: tl.constexpr, WARM: tl.constexpr, VECTOR_DECAY: tl.constexpr,
+    REC16: tl.constexpr,
+):  # fmt: skip
+    """Fit the tokens, smooth and quantize the state of head ``i_s`` into its own pool entries.
+
+    Subspace iteration warm-started from the previous token values (``WARM``; hashed +-1 where zero):
+    ``Q = orth(S_kv U0)``, then ``ITERS - 1`` times ``Q = orth(S_kv S_kv^T Q)``; token values
+    ``U = S_kv^T Q`` from the unmodified state, both stored fp16; the residual ``S - Q16^T U16`` smoothed by
+    ``c_k = sqrt(mean_v |R_vk|)`` and quantized with per-value-channel scales.  Same arithmetic as
+    ``naive._compress``; sums run in other orders.
+    """
+    o_k = tl.arange(0, K)
+    o_b = tl.arange(0, BV)
+    o_r = tl.arange(0, BR)
+    mask_r = o_r < R
+    b_qk = tl.zeros([BR, K], dtype=tl.float32)
+    b_ck = tl.zeros([BR, K], dtype=tl.float32)
+    b_c = tl.zeros([K], dtype=tl.float32)
+    if R > 0:
+        b_usable = _usable(i_s, comp_u, WARM, V, R, BV, BR)
+        b_z = tl.zeros([BR, K], dtype=tl.float32)
+        for v0 in tl.range(0, V, BV):
+            o_v = v0 + o_b
+            b_rows = _rows(
+                i_s, o_v, p_dense, b_end, b_col, b_w, b_khi, b_klo, count, payload, scale_v, comp_k, comp_u,
+                rec_u, K, V, P, R, BP, RESIDUAL, DENSE, DENSE_KV, VECTOR_DECAY, REC16,
+            )  # fmt: skip
+            b_basis = _start_basis(i_s, o_r, o_v, comp_u, b_usable, WARM, V, R)
+            for r in range(R):
+                b_zr = tl.sum(b_rows * _row(b_basis, o_r, r)[:, None], 0)
+                b_z += tl.where(o_r[:, None] == r, b_zr[None, :], 0.0)
+        b_qk = _orthonormalize_rows(b_z, o_r, R)
+        for _ in range(ITERS - 1):
+            b_z = tl.zeros([BR, K], dtype=tl.float32)
+            for v0 in tl.range(0, V, BV):
+                o_v = v0 + o_b
+                b_rows = _rows(
+                    i_s, o_v, p_dense, b_end, b_col, b_w, b_khi, b_klo, count, payload, scale_v, comp_k,
+                    comp_u, rec_u, K, V, P, R, BP, RESIDUAL, DENSE, DENSE_KV, VECTOR_DECAY, REC16,
+                )  # fmt: skip
+                b_u = _values(b_rows, b_qk, o_r, R, BR, BV)
+                for r in range(R):
+                    b_zr = tl.sum(b_rows * _row(b_u, o_r, r)[:, None], 0)
+                    b_z += tl.where(o_r[:, None] == r, b_zr[None, :], 0.0)
+            b_qk = _orthonormalize_rows(b_z, o_r, R)
+        b_ck = b_qk.to(tl.float16).to(tl.float32)
+    if SMOOTH:
+        b_csum = tl.zeros([K], dtype=tl.float32)
+        for v0 in tl.range(0, V, BV):
+            o_v = v0 + o_b
+            b_rows = _rows(
+                i_s, o_v, p_dense, b_end, b_col, b_w, b_khi, b_klo, count, payload, scale_v, comp_k, comp_u,
+                rec_u, K, V, P, R, BP, RESIDUAL, DENSE, DENSE_KV, VECTOR_DECAY, REC16,
+            )  # fmt: skip
+            if R > 0:
+                b_cu = _values(b_rows, b_qk, o_r, R, BR, BV).to(tl.float16).to(tl.float32)
+                b_rows = _minus_tokens(b_rows, b_cu, b_ck, o_r, R)
+            b_csum += tl.sum(tl.abs(b_rows), 0)
+        b_c = tl.maximum(tl.sqrt(b_csum / V), smooth_floor)
+    for v0 in tl.range(0, V, BV):
+        o_v = v0 + o_b
+        b_rows = _rows(
+            i_s, o_v, p_dense, b_end, b_col, b_w, b_khi, b_klo, count, payload, scale_v, comp_k, comp_u,
+            rec_u, K, V, P, R, BP, RESIDUAL, DENSE, DENSE_KV, VECTOR_DECAY, REC16,
+        )  # fmt: skip
+        if R > 0:
+            b_cu16 = _values(b_rows, b_qk, o_r, R, BR, BV).to(tl.float16)
+            b_rows = _minus_tokens(b_rows, b_cu16.to(tl.float32), b_ck, o_r, R)
+            tl.store(comp_u + (i_s * R + o_r[:, None]) * V + o_v[None, :], b_cu16, mask=mask_r[:, None])
+        if SMOOTH:
+            b_rows = tl.math.div_rn(b_rows, b_c[None, :])
+        _store_rows(b_rows, payload, scale_v, i_s, o_v, qmax, K, V, BV, RESIDUAL)
+    tl.debug_barrier()  # every chunk has been rebuilt with the old token keys
+    if R > 0:
+        p_ck = comp_k + (i_s * R + o_r[:, None]) * K + o_k[None, :]
+        tl.store(p_ck, b_qk.to(tl.float16), mask=mask_r[:, None])
+    if SMOOTH:
+        tl.store(smooth + i_s * K + o_k, b_c)
+
+
+@triton.jit(do_not_specialize=["smooth_floor", "qmax"])
+def close_kernel(
+    close_list, close_count, payload, scale_v, smooth, comp_k, comp_u, rec_g, rec_k, rec_u, pos,
+    smooth_floor, qmax,
+    K: tl.constexpr, V: tl.constexpr, P: tl.constexpr, R: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr,
+    BP: tl.constexpr, ITERS: tl.constexpr, RESIDUAL: tl.constexpr, SMOOTH: tl.constexpr,
+    VECTOR_DECAY: tl.constexpr, REC16: tl.constexpr,
+):  # fmt: skip
+    """Persistent: program ``pid`` closes list entries ``pid, pid + grid, ...`` (heads that just filled their
+    window; ``BR``: ``R`` rounded up to a power of two; ``BP``: ``P`` rounded up, at least 16)."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    count = tl.load(close_count)
+    for idx in range(pid, count, nprog):
+        i_s = tl.load(close_list + idx).to(tl.int64)
+        b_end, b_col, b_w, b_khi, b_klo = _window_factors(
+            i_s, P, smooth, rec_g, rec_k, K, P, BP, SMOOTH, VECTOR_DECAY, REC16
+        )
+        _requantize(
+            i_s, payload, b_end, b_col, b_w, b_khi, b_klo, P, payload, scale_v, smooth, comp_k, comp_u, rec_u,
+            smooth_floor, qmax, K, V, P, R, BV, BR, BP, ITERS, RESIDUAL, SMOOTH, False, False, True,
+            VECTOR_DECAY, REC16,
+        )  # fmt: skip
+        tl.store(pos + i_s, 0)
+        tl.debug_barrier()  # the next head's first loads must not pass this head's last stores
+
+
+@triton.jit(do_not_specialize=["smooth_floor", "qmax"])
+def boundary_kernel(
+    slots, dense, payload, scale_v, smooth, comp_k, comp_u, rec_g, rec_k, rec_u, pos, smooth_floor, qmax,
+    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, P: tl.constexpr, R: tl.constexpr, BV: tl.constexpr,
+    BR: tl.constexpr, BP: tl.constexpr, MODE: tl.constexpr, DENSE_KV: tl.constexpr, ITERS: tl.constexpr,
+    RESIDUAL: tl.constexpr, SMOOTH: tl.constexpr, VECTOR_DECAY: tl.constexpr, REC16: tl.constexpr,
+):  # fmt: skip
+    """One program per (sequence, head): ``MODE_LOAD`` quantizes ``dense`` into the slot with a cold-started
+    fit; ``MODE_MATERIALIZE`` writes the slot's dense state at its current position into ``dense``."""
+    i_nh = tl.program_id(0)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    o_k = tl.arange(0, K)
+    o_b = tl.arange(0, BV)
+    p_dense = dense + i_nh.to(tl.int64) * K * V
+    slot = tl.load(slots + i_n).to(tl.int64)
+    if slot < 0:
+        if MODE == MODE_MATERIALIZE:
+            for v0 in tl.range(0, V, BV):
+                o_v = v0 + o_b
+                tl.store(p_dense + o_v[:, None] * K + o_k[None, :], tl.zeros([BV, K], dtype=tl.float32))
+        return
+    i_s = slot * HV + i_hv
+    if MODE == MODE_LOAD:
+        b_0 = tl.zeros([K], dtype=tl.float32)  # no factors: rows come from the dense state
+        _requantize(
+            i_s, p_dense, b_0, b_0, b_0, b_0, b_0, 0, payload, scale_v, smooth, comp_k, comp_u, rec_u,
+            smooth_floor, qmax, K, V, P, R, BV, BR, BP, ITERS, RESIDUAL, SMOOTH, True, DENSE_KV, False,
+            VECTOR_DECAY, REC16,
+        )  # fmt: skip
+        tl.store(pos + i_s, 0)
+    else:
+        count = tl.load(pos + i_s)
+        b_end, b_col, b_w, b_khi, b_klo = _window_factors(
+            i_s, count, smooth, rec_g, rec_k, K, P, BP, SMOOTH, VECTOR_DECAY, REC16
+        )
+        for v0 in tl.range(0, V, BV):
+            o_v = v0 + o_b
+            b_rows = _rows(
+                i_s, o_v, p_dense, b_end, b_col, b_w, b_khi, b_klo, count, payload, scale_v, comp_k, comp_u,
+                rec_u, K, V, P, R, BP, RESIDUAL, False, False, VECTOR_DECAY, REC16,
+            )  # fmt: skip
+            if DENSE_KV:
+                tl.store(p_dense + o_k[None, :] * V + o_v[:, None], b_rows)
+            else:
+                tl.store(p_dense + o_v[:, None] * K + o_k[None, :], b_rows)
