@@ -77,6 +77,12 @@ def main() -> None:
         usage = resources(cc.close_kernel, close_ptrs, scalars, consts, warps, maxnreg)
         kind = "vector" if decay else "scalar"
         print(f"chunked close, r={rank}, {kind} decay, BV={bv}, {warps} warps, maxnreg {maxnreg}: {usage}")
+    boundary_ptrs = dict(common, slots="*i32", dense="*fp32")
+    for mode in (cc.MODE_LOAD, cc.MODE_MATERIALIZE):
+        consts = dict(HV=32, K=128, V=128, P=16, R=4, BV=32, BR=4, BP=16, MODE=mode, DENSE_KV=True, ITERS=8,
+                      RESIDUAL=2, SMOOTH=True, VECTOR_DECAY=False, REC16=True)  # fmt: skip
+        usage = resources(cc.boundary_kernel, boundary_ptrs, scalars, consts, 4)
+        print(f"boundary kernel, {'load' if mode == cc.MODE_LOAD else 'materialize'}, 4 warps: {usage}")
     rank1_ptrs = dict(common, close_list="*i32", close_count="*i32")
     for rank, decay, warps in ((4, False, 4), (4, True, 4), (8, False, 4), (0, False, 4), (4, False, 8)):
         consts = dict(K=128, V=128, P=16, R=rank, BR=max(1, rank), ITERS=1, RESIDUAL=2, SMOOTH=True,

@@ -67,9 +67,10 @@ class LaunchConfig:
     @classmethod
     def tuned(cls, decay: str) -> LaunchConfig:
         """The shapes ``bench kernel --tune`` picked on the H200 (BENCHMARKS.md) for GDN or KDA pools."""
+        close = dict(close="chunked", close_bv=32, close_warps=4, close_programs_per_sm=4, close_maxnreg=128)
         if decay == "scalar":
-            return cls(step_bv=8, step_warps=1, step_stages=4)
-        return cls(step_bv=32, step_warps=4, step_stages=4)
+            return cls(step_bv=8, step_warps=1, step_stages=4, **close)
+        return cls(step_bv=32, step_warps=4, step_stages=4, **close)
 
     def __post_init__(self) -> None:
         if self.close not in CLOSE_PATHS:

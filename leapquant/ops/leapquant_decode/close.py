@@ -32,8 +32,8 @@ from .fused_recurrent import _orthonormalize_rows, _residual_rows, _start_basis,
 
 __all__ = ["MODE_LOAD", "MODE_MATERIALIZE", "boundary_kernel", "close_kernel"]
 
-MODE_LOAD = 1
-MODE_MATERIALIZE = 2
+MODE_LOAD = tl.constexpr(1)  # tl.constexpr: a jit function may read it as a global
+MODE_MATERIALIZE = tl.constexpr(2)
 
 
 @triton.jit
