@@ -303,11 +303,10 @@ STEP_SHAPES = (
 CLOSE_SHAPES = (
     (0, 4, 2, None, "rank1"),
     (32, 4, 2, None, "chunked"),
+    (32, 4, 3, 168, "chunked"),
     (32, 4, 4, 128, "chunked"),
+    (16, 4, 3, 168, "chunked"),
     (16, 4, 4, 128, "chunked"),
-    (16, 2, 4, None, "chunked"),
-    (32, 8, 1, None, "chunked"),
-    (64, 8, 2, 128, "chunked"),
 )
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .fused_recurrent import _orthonormalize_rows, _residual_rows, _start_basis, _store_rows, _usable
+from .fused_recurrent import _orthonormalize_rows, _residual_rows, _start_vectors, _store_rows, _usable
 
 __all__ = ["MODE_LOAD", "MODE_MATERIALIZE", "boundary_kernel", "close_kernel"]
 
@@ -134,20 +134,31 @@ def _rows(
 
 
 @triton.jit
-def _values(b_rows, b_qk, o_r, R: tl.constexpr, BR: tl.constexpr, BV: tl.constexpr):
-    """Token values of a chunk, ``U^T = Q S^T``: ``[BR, BV]`` fp32 (rows beyond ``R`` zero)."""
-    b_u = tl.zeros([BR, BV], dtype=tl.float32)
-    for r in range(R):
-        b_u = tl.where(o_r[:, None] == r, tl.sum(b_rows * _row(b_qk, o_r, r)[None, :], 1)[None, :], b_u)
-    return b_u
+def _start_value(i_s, r, o_v, comp_u, b_usable, o_r, WARM: tl.constexpr, V: tl.constexpr, R: tl.constexpr):
+    """Starting value vector ``r`` of the fit on rows ``o_v``, ``[BV]``: the previous token's values, or the
+    hashed +-1 vector where that token is zero (or there is none)."""
+    b_hash = tl.sum(tl.where(o_r[:, None] == r, _start_vectors(o_r, o_v), 0.0), 0)
+    if WARM:
+        b_old = tl.load(comp_u + (i_s * R + r) * V + o_v).to(tl.float32)
+        usable = tl.sum(tl.where(o_r == r, b_usable.to(tl.int32), 0)) > 0
+        return tl.where(usable, b_old, b_hash)
+    else:
+        return b_hash
 
 
 @triton.jit
-def _minus_tokens(b_rows, b_cu, b_ck, o_r, R: tl.constexpr):
-    """``S - U K^T`` on a chunk (``b_cu [BR, BV]``, ``b_ck [BR, K]``)."""
-    for r in range(R):
-        b_rows -= _row(b_cu, o_r, r)[:, None] * _row(b_ck, o_r, r)[None, :]
-    return b_rows
+def _minus_tokens(b_rows, b_qk, o_r, o_v, i_s, comp_u, R: tl.constexpr, V: tl.constexpr, STORE: tl.constexpr):
+    """``S - U16 Q16^T`` on a chunk: token ``r``'s values ``U_r = S Q_r`` (from the unmodified rows, fp16)
+    times its fp16 key, subtracted; ``STORE`` writes ``U_r`` into the pool.  Each value vector stays in the
+    rows' own layout: no small tiles to assemble or take apart."""
+    b_res = b_rows
+    for r in tl.static_range(R):
+        b_q = _row(b_qk, o_r, r)
+        b_cu16 = tl.sum(b_rows * b_q[None, :], 1).to(tl.float16)
+        b_res -= b_cu16.to(tl.float32)[:, None] * b_q.to(tl.float16).to(tl.float32)[None, :]
+        if STORE:
+            tl.store(comp_u + (i_s * R + r) * V + o_v, b_cu16)
+    return b_res
 
 
 @triton.jit
@@ -171,7 +182,6 @@ def _requantize(
     o_r = tl.arange(0, BR)
     mask_r = o_r < R
     b_qk = tl.zeros([BR, K], dtype=tl.float32)
-    b_ck = tl.zeros([BR, K], dtype=tl.float32)
     b_c = tl.zeros([K], dtype=tl.float32)
     if R > 0:
         b_usable = _usable(i_s, comp_u, WARM, V, R, BV, BR)
@@ -182,9 +192,9 @@ def _requantize(
                 i_s, o_v, p_dense, b_end, b_col, b_w, b_khi, b_klo, count, payload, scale_v, comp_k, comp_u,
                 rec_u, K, V, P, R, BP, RESIDUAL, DENSE, DENSE_KV, VECTOR_DECAY, REC16,
             )  # fmt: skip
-            b_basis = _start_basis(i_s, o_r, o_v, comp_u, b_usable, WARM, V, R)
-            for r in range(R):
-                b_zr = tl.sum(b_rows * _row(b_basis, o_r, r)[:, None], 0)
+            for r in tl.static_range(R):
+                b_start = _start_value(i_s, r, o_v, comp_u, b_usable, o_r, WARM, V, R)
+                b_zr = tl.sum(b_rows * b_start[:, None], 0)
                 b_z += tl.where(o_r[:, None] == r, b_zr[None, :], 0.0)
         b_qk = _orthonormalize_rows(b_z, o_r, R)
         for _ in range(ITERS - 1):
@@ -195,12 +205,11 @@ def _requantize(
                     i_s, o_v, p_dense, b_end, b_col, b_w, b_khi, b_klo, count, payload, scale_v, comp_k,
                     comp_u, rec_u, K, V, P, R, BP, RESIDUAL, DENSE, DENSE_KV, VECTOR_DECAY, REC16,
                 )  # fmt: skip
-                b_u = _values(b_rows, b_qk, o_r, R, BR, BV)
-                for r in range(R):
-                    b_zr = tl.sum(b_rows * _row(b_u, o_r, r)[:, None], 0)
+                for r in tl.static_range(R):
+                    b_u = tl.sum(b_rows * _row(b_qk, o_r, r)[None, :], 1)
+                    b_zr = tl.sum(b_rows * b_u[:, None], 0)
                     b_z += tl.where(o_r[:, None] == r, b_zr[None, :], 0.0)
             b_qk = _orthonormalize_rows(b_z, o_r, R)
-        b_ck = b_qk.to(tl.float16).to(tl.float32)
     if SMOOTH:
         b_csum = tl.zeros([K], dtype=tl.float32)
         for v0 in tl.range(0, V, BV):
@@ -210,8 +219,7 @@ def _requantize(
                 rec_u, K, V, P, R, BP, RESIDUAL, DENSE, DENSE_KV, VECTOR_DECAY, REC16,
             )  # fmt: skip
             if R > 0:
-                b_cu = _values(b_rows, b_qk, o_r, R, BR, BV).to(tl.float16).to(tl.float32)
-                b_rows = _minus_tokens(b_rows, b_cu, b_ck, o_r, R)
+                b_rows = _minus_tokens(b_rows, b_qk, o_r, o_v, i_s, comp_u, R, V, False)
             b_csum += tl.sum(tl.abs(b_rows), 0)
         b_c = tl.maximum(tl.sqrt(b_csum / V), smooth_floor)
     for v0 in tl.range(0, V, BV):
@@ -221,9 +229,7 @@ def _requantize(
             rec_u, K, V, P, R, BP, RESIDUAL, DENSE, DENSE_KV, VECTOR_DECAY, REC16,
         )  # fmt: skip
         if R > 0:
-            b_cu16 = _values(b_rows, b_qk, o_r, R, BR, BV).to(tl.float16)
-            b_rows = _minus_tokens(b_rows, b_cu16.to(tl.float32), b_ck, o_r, R)
-            tl.store(comp_u + (i_s * R + o_r[:, None]) * V + o_v[None, :], b_cu16, mask=mask_r[:, None])
+            b_rows = _minus_tokens(b_rows, b_qk, o_r, o_v, i_s, comp_u, R, V, True)
         if SMOOTH:
             b_rows = tl.math.div_rn(b_rows, b_c[None, :])
         _store_rows(b_rows, payload, scale_v, i_s, o_v, qmax, K, V, BV, RESIDUAL)
