@@ -1,25 +1,23 @@
 #!/usr/bin/env bash
 # On the GPU machine: Nsight Compute on one decode step of one layer (N=512, HV=32, K=V=128, leapquant-int8),
-# once per window-close path, so that "where the time goes" in BENCHMARKS.md is read from counters (issue
-# slots, stall reasons, occupancy) instead of inferred from timings. Eager launches (--no-graph); ncu replays
-# each profiled kernel and restores the memory it writes, so the in-place pool update is profiled as it runs.
-#   FAMILY=gdn CLOSES="rank1 chunked" N=512 scripts/gpu-kernel-profile.sh
+# the step kernel and the window close, so that "where the time goes" in BENCHMARKS.md is read from counters
+# (issue slots, stall reasons, occupancy) instead of inferred from timings. Eager launches (--no-graph);
+# ncu replays each profiled kernel and restores the memory it writes, so the in-place update is profiled.
+#   FAMILY="gdn kda" N=512 CLOSE_ARGS="--close-programs 2" scripts/gpu-kernel-profile.sh
 set -uo pipefail
 out=${OUT:-out}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 sections="--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
 --section SchedulerStats --section InstructionStats --section MemoryWorkloadAnalysis"
 for family in ${FAMILY:-gdn}; do
-  for close in ${CLOSES:-rank1 chunked}; do
-    log="$out/ncu-$family-$close.txt"
-    # skip warm-up launches; profile one step kernel and one close kernel of the same step
-    timeout "${PROFILE_SECONDS:-120}" ncu --clock-control none $sections \
+  log="$out/ncu-$family.txt"
+  # skip warm-up launches; profile one step kernel and one close kernel of the same step
+  timeout "${PROFILE_SECONDS:-120}" ncu --clock-control none $sections \
       --kernel-name regex:"step_kernel|close" --launch-skip "${SKIP:-40}" --launch-count 2 \
-      python3 -m leapquant bench kernel --family "$family" --n "${N:-512}" -v leapquant-int8 --close "$close" \
-      ${CLOSE_ARGS:-} --no-graph > "$log" 2>&1
-    echo "== $family $close: $(grep -c 'Section: ' "$log") sections in $log"
-    grep -E "^  [a-z_]+kernel|Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Issue Slots Busy|\
+      python3 -m leapquant bench kernel --family "$family" --n "${N:-512}" -v leapquant-int8 ${CLOSE_ARGS:-} \
+      --no-graph > "$log" 2>&1
+  echo "== $family: $(grep -c 'Section: ' "$log") sections in $log"
+  grep -E "^  [a-z_]+kernel|Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Issue Slots Busy|\
 No Eligible|Executed Instructions  |Block Limit Registers|Block Limit Shared|Stall|Compute \(SM\) Thr|Memory Thr" \
       "$log" | head -60
-  done
 done

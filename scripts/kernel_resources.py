@@ -19,7 +19,6 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from leapquant.ops.leapquant_decode import close as cc
-from leapquant.ops.leapquant_decode import close_rank1 as c1
 from leapquant.ops.leapquant_decode import fused_recurrent as lq
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -83,12 +82,6 @@ def main() -> None:
                       RESIDUAL=2, SMOOTH=True, VECTOR_DECAY=False, REC16=True)  # fmt: skip
         usage = resources(cc.boundary_kernel, boundary_ptrs, scalars, consts, 4)
         print(f"boundary kernel, {'load' if mode == cc.MODE_LOAD else 'materialize'}, 4 warps: {usage}")
-    rank1_ptrs = dict(common, close_list="*i32", close_count="*i32")
-    for rank, decay, warps in ((4, False, 4), (4, True, 4), (8, False, 4), (0, False, 4), (4, False, 8)):
-        consts = dict(K=128, V=128, P=16, R=rank, BR=max(1, rank), ITERS=1, RESIDUAL=2, SMOOTH=True,
-                      VECTOR_DECAY=decay, STAGES=2)  # fmt: skip
-        usage = resources(c1.close_rank1_kernel, rank1_ptrs, scalars, consts, warps)
-        print(f"rank-one close, r={rank}, {'vector' if decay else 'scalar'} decay, {warps} warps: {usage}")
 
 
 if __name__ == "__main__":

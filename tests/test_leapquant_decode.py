@@ -303,27 +303,30 @@ def test_gate_and_beta_activation_in_the_kernel(family):
         pytest.param("kda", "int8", 4, True, 1, 0.0, id="kda-int8-r4-from-zero"),
     ],
 )
-def test_rank1_close_matches_the_chunked_close(family, residual, rank, smooth, iters, scale):
-    """``LaunchConfig(close="rank1")`` (state in registers) computes the same windows as the chunked close
-    (state rebuilt from the pool at every pass)."""
+def test_close_matches_reference_across_fit_options(family, residual, rank, smooth, iters, scale):
+    """The chunked close in several row chunks (``close_bv=16``: a pass walks more than one chunk, so rows are
+    rebuilt, tokens subtracted and token values stored chunk by chunk) computes the reference's windows:
+    warm-started power iterations, cold zero states, no tokens, 8 tokens, fp8 and int4 residuals."""
     from leapquant.ops.leapquant_decode import LaunchConfig
 
     gen = torch.Generator(device=DEVICE).manual_seed(rank)
     cfg = PoolConfig(heads=2, d_k=K, d_v=V, window=4, compensators=rank, smoothing=smooth, residual=residual,
                      decay="vector" if family == "kda" else "scalar", power_iters=iters)  # fmt: skip
     slots = torch.tensor([3, -1, 0], dtype=torch.int32, device=DEVICE)
-    launches = [LaunchConfig(close="rank1", rank1_warps=4), LaunchConfig(close="chunked")]
-    pools = [LeapQuantPool.allocate(cfg, 5, DEVICE) for _ in launches]
+    backends = ["triton", "reference"]
+    pools = [LeapQuantPool.allocate(cfg, 5, DEVICE) for _ in backends]
     s0 = scale * torch.randn(3, 2, K, V, generator=gen, device=DEVICE)
-    for pool in pools:
-        load_states(pool, slots, s0, backend="triton")
+    for pool, backend in zip(pools, backends):
+        load_states(pool, slots, s0, backend=backend)
     if scale == 0.0:
         assert not pools[0].tensors["comp_u"].any()
     tol = 2e-3  # sums run in other orders, so a code may flip at a rounding boundary: far below int8 error
+    launch = LaunchConfig(close_bv=16)
     for _ in range(9):  # two window closes
         x = tokens(family, 3, 1, 2, gen)
-        out = [leapquant_decode(p, slots, *x, backend="triton", launch=lc) for p, lc in zip(pools, launches)]
+        out = [leapquant_decode(p, slots, *x, backend=b, launch=launch) for p, b in zip(pools, backends)]
         assert rel(out[0], out[1]) < tol
     assert pools[0].pos.tolist() == pools[1].pos.tolist()
     real = slots[slots >= 0]
-    assert rel(materialize_states(pools[0], real), materialize_states(pools[1], real)) < tol
+    dense = [materialize_states(p, real, backend=b) for p, b in zip(pools, backends)]
+    assert rel(dense[0], dense[1]) < tol

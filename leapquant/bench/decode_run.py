@@ -44,7 +44,7 @@ KERNEL_CLASSES = (
     (
         "state",
         re.compile(
-            r"fused_recurrent|step_kernel|close_kernel|close_rank1_kernel|per_step_kernel|boundary_kernel"
+            r"fused_recurrent|step_kernel|close_kernel|per_step_kernel|boundary_kernel"
         ),
     ),
     ("attention", re.compile(r"flash|fmha|attention|attn|softmax", re.I)),

@@ -55,7 +55,6 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     k.add_argument("--close-warps", type=int, default=None, help="launch: warps per close program")
     k.add_argument("--close-programs", type=int, default=None, help="launch: close programs per SM")
     k.add_argument("--close-maxnreg", type=int, default=None, help="launch: chunked-close register cap")
-    k.add_argument("--close", choices=("chunked", "rank1"), default=None, help="launch: window-close path")
     k.add_argument(
         "--tune",
         nargs="?",
@@ -206,7 +205,6 @@ def run_kernel(args: argparse.Namespace) -> int:
         "close_warps": args.close_warps,
         "close_programs_per_sm": args.close_programs,
         "close_maxnreg": args.close_maxnreg,
-        "close": args.close,
     }
     overrides = {k: v for k, v in overrides.items() if v is not None}
     copy_gbps = copy_bandwidth()
@@ -287,8 +285,7 @@ def run_kernel(args: argparse.Namespace) -> int:
 
 
 # Launch shapes tried by --tune: (value rows per chunk, warps, pipeline stages, fast int8 conversion) of
-# the step kernel, then (value rows per chunk, warps, programs per SM, register cap, close kernel) of the
-# close path (the "rank1" close has no row chunks: it holds the whole state in all 255 registers).
+# the step kernel, then (value rows per chunk, warps, programs per SM, register cap) of the window close.
 STEP_SHAPES = (
     (32, 4, 2, True),
     (32, 4, 4, True),
@@ -301,12 +298,11 @@ STEP_SHAPES = (
     (64, 8, 2, True),
 )
 CLOSE_SHAPES = (
-    (0, 4, 2, None, "rank1"),
-    (32, 4, 2, None, "chunked"),
-    (32, 4, 3, 168, "chunked"),
-    (32, 4, 4, 128, "chunked"),
-    (16, 4, 3, 168, "chunked"),
-    (16, 4, 4, 128, "chunked"),
+    (32, 4, 2, None),
+    (32, 4, 3, 168),
+    (32, 4, 4, 128),
+    (16, 4, 3, 168),
+    (16, 4, 4, 128),
 )
 
 
@@ -324,12 +320,10 @@ def _tune(case, launch, measure, report, con, *, step: bool = True):
             best, best_ms = shape, row["ms"]
         con.print(f"tune {case.family} step {shape}: {row.get('ms', float('nan')) * 1e3:.1f} us")
     chosen, best_ms = best, float("inf")
-    for bv, warps, programs, maxnreg, close in CLOSE_SHAPES:
-        if close == "rank1":
-            shape = replace(best, rank1_warps=warps, rank1_programs_per_sm=programs, close=close)
-        else:
-            shape = replace(best, close_bv=bv, close_warps=warps, close_programs_per_sm=programs,
-                            close_maxnreg=maxnreg, close=close)  # fmt: skip
+    for bv, warps, programs, maxnreg in CLOSE_SHAPES:
+        shape = replace(
+            best, close_bv=bv, close_warps=warps, close_programs_per_sm=programs, close_maxnreg=maxnreg
+        )
         row = measure("leapquant-int8", case, shape)
         report["tuning"].append(row)
         if "error" not in row and row["ms"] < best_ms:

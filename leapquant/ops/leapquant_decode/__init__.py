@@ -25,7 +25,6 @@ from . import naive
 __all__ = ["LaunchConfig", "leapquant_decode", "leapquant_step_records", "load_states", "materialize_states"]
 
 BACKENDS = ("auto", "triton", "reference")
-CLOSE_PATHS = ("chunked", "rank1")
 
 
 @dataclass(frozen=True)
@@ -37,45 +36,34 @@ class LaunchConfig:
         step_warps: warps per step program.
         step_stages: software-pipelining depth of the step kernel's loop over value chunks.
         fast_cvt: int8 -> fp32 through exponent bits (integer add + fp add) instead of the conversion unit.
-        close: ``"chunked"`` (``close.py``: the state streamed through registers in value-row chunks and
-            rebuilt from the pool at each pass, so many heads close side by side) or ``"rank1"``
-            (``close_rank1.py``: the head's whole state in registers, rank-one updates and matrix-vector
-            reductions only).
-        close_bv: value rows per chunk of the ``"chunked"`` close (and of prefill hand-off/materialization).
-        close_warps: warps per ``"chunked"`` close program.
-        close_programs_per_sm: persistent ``"chunked"`` close programs per multiprocessor.
-        close_maxnreg: register cap per thread of the ``"chunked"`` close (``None``: the compiler's choice);
-            a lower cap lets more close programs share a multiprocessor, at the price of spills.
-        rank1_warps: warps per program of the ``"rank1"`` close.
-        rank1_programs_per_sm: persistent ``"rank1"`` close programs per multiprocessor.
-        rank1_stages: software-pipelining depth of the ``"rank1"`` close's loop over records.
+        close_bv: value rows per chunk of the window close (``close.py``: the state streamed through
+            registers in value-row chunks, rebuilt from the pool at each pass), and of prefill hand-off and
+            materialization.
+        close_warps: warps per close program.
+        close_programs_per_sm: persistent close programs per multiprocessor.
+        close_maxnreg: register cap per thread of the close (``None``: the compiler's choice); a lower cap
+            lets more close programs share a multiprocessor, at the price of a few spills.
     """
 
     step_bv: int = 32
     step_warps: int = 4
     step_stages: int = 2
     fast_cvt: bool = True
-    close: str = "chunked"
     close_bv: int = 32
     close_warps: int = 4
-    close_programs_per_sm: int = 2
-    close_maxnreg: int | None = None
-    rank1_warps: int = 8
-    rank1_programs_per_sm: int = 2
-    rank1_stages: int = 2
+    close_programs_per_sm: int = 4
+    close_maxnreg: int | None = 128
 
     @classmethod
     def tuned(cls, decay: str) -> LaunchConfig:
-        """The shapes ``bench kernel --tune`` picked on the H200 (BENCHMARKS.md) for GDN or KDA pools."""
-        close = dict(close="chunked", close_bv=32, close_warps=4, close_programs_per_sm=4, close_maxnreg=128)
+        """The shapes ``bench kernel --tune`` picked on the H200 (BENCHMARKS.md) for GDN or KDA pools (the
+        close defaults are the tuned ones for both)."""
         if decay == "scalar":
-            return cls(step_bv=8, step_warps=1, step_stages=4, **close)
-        return cls(step_bv=32, step_warps=4, step_stages=4, **close)
+            return cls(step_bv=8, step_warps=1, step_stages=4)
+        return cls(step_bv=32, step_warps=4, step_stages=4)
 
     def __post_init__(self) -> None:
-        if self.close not in CLOSE_PATHS:
-            raise LeapQuantError(f"launch: close must be one of {', '.join(CLOSE_PATHS)}, got {self.close!r}")
-        for name in ("step_bv", "step_warps", "close_bv", "close_warps", "rank1_warps"):
+        for name in ("step_bv", "step_warps", "close_bv", "close_warps"):
             x = getattr(self, name)
             if x < 1 or x & (x - 1):
                 raise LeapQuantError(f"launch: {name} must be a power of two, got {x}")
@@ -83,9 +71,8 @@ class LaunchConfig:
             raise LeapQuantError(f"launch: close_bv must be >= 16 (a tl.dot operand), got {self.close_bv}")
         if self.close_maxnreg is not None and not 32 <= self.close_maxnreg <= 255:
             raise LeapQuantError(f"launch: close_maxnreg must be in 32..255, got {self.close_maxnreg}")
-        for name in ("close_programs_per_sm", "rank1_programs_per_sm", "rank1_stages"):
-            if getattr(self, name) < 1:
-                raise LeapQuantError(f"launch: {name} must be >= 1, got {getattr(self, name)}")
+        if self.close_programs_per_sm < 1:
+            raise LeapQuantError("launch: close_programs_per_sm must be >= 1")
 
 
 def _use_triton(pool: LeapQuantPool, backend: str) -> bool:
@@ -197,21 +184,12 @@ def _chunked_shape(pool: LeapQuantPool, launch: LaunchConfig) -> dict:
 
 
 def _launch_close(pool: LeapQuantPool, n: int, launch: LaunchConfig) -> None:
-    """Close the windows of the heads the step kernel listed (``launch.close`` picks the kernel)."""
+    """Close the windows of the heads the step kernel listed."""
+    from .close import close_kernel
+
     cfg = pool.config
     tensors, shape = _close_args(pool)
     list_, count = pool.close_list()
-    if launch.close == "rank1":
-        from .close_rank1 import close_rank1_kernel
-
-        grid = _close_grid(pool, n, launch.rank1_programs_per_sm)
-        close_rank1_kernel[(grid,)](
-            list_, count, *tensors, BR=_pow2(cfg.compensators), ITERS=cfg.power_iters,
-            STAGES=launch.rank1_stages, num_warps=launch.rank1_warps, **shape,
-        )  # fmt: skip
-        return
-    from .close import close_kernel
-
     grid = _close_grid(pool, n, launch.close_programs_per_sm)
     close_kernel[(grid,)](
         list_, count, *tensors, ITERS=cfg.power_iters, maxnreg=launch.close_maxnreg, **shape,

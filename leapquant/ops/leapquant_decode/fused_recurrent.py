@@ -8,7 +8,7 @@ One decode step is two launches (plus a 4-byte memset):
    chunks of ``BV``: each chunk of the fixed boundary residual is read once for both the delta read and the
    output read (paper eq. 10).  It writes the output and the new record ``(g_i, k_i, u_i)``, advances the
    window position, and appends heads that complete a window to a list.
-2. a close kernel (``close.py``, or ``close_rank1.py``) walks that list: for each head it reconstructs the
+2. ``close_kernel`` (``close.py``) walks that list: for each head it reconstructs the
    state from the boundary and the ``P`` records, refits the compensator tokens by power iteration
    warm-started from the previous ones, recomputes the smoothing and per-value-channel scales, and writes
    the new quantized boundary.  Only heads that close a window cost anything.
