@@ -28,12 +28,89 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .fused_recurrent import _orthonormalize_rows, _residual_rows, _start_vectors, _store_rows, _usable
+from ..common import bf16_grid, e4m3_grid, rint
+from .fused_recurrent import _residual_rows
 
 __all__ = ["MODE_LOAD", "MODE_MATERIALIZE", "boundary_kernel", "close_kernel"]
 
 MODE_LOAD = tl.constexpr(1)  # tl.constexpr: a jit function may read it as a global
 MODE_MATERIALIZE = tl.constexpr(2)
+
+
+@triton.jit
+def _start_vectors(o_r, o_v):
+    """The +-1 hash of :func:`leapquant.methods.compensators.start_vectors`, ``[BR, BV]``."""
+    j = o_v.to(tl.int64)[None, :]
+    h = o_r.to(tl.int64)[:, None]
+    x = (j * 0x9E3779B1 + (h + 1) * 0x85EBCA77) & 0xFFFFFFFF
+    x = ((x ^ (x >> 15)) * 0x2C1B3C6D) & 0xFFFFFFFF
+    x = x ^ (x >> 12)
+    return tl.where((x & 1) == 1, 1.0, -1.0)
+
+
+@triton.jit
+def _orthonormalize_rows(b_z, o_r, R: tl.constexpr):
+    """Gram-Schmidt on the first ``R`` rows of ``[BR, K]`` (classical, twice: as stable as modified)."""
+    b_q = tl.zeros_like(b_z)
+    for h in range(R):
+        b_row = tl.sum(tl.where(o_r[:, None] == h, b_z, 0.0), 0)
+        b_coef = tl.sum(b_q * b_row[None, :], 1)
+        b_row = b_row - tl.sum(b_coef[:, None] * b_q, 0)
+        b_coef = tl.sum(b_q * b_row[None, :], 1)
+        b_row = b_row - tl.sum(b_coef[:, None] * b_q, 0)
+        b_norm = tl.sqrt(tl.sum(b_row * b_row))
+        b_row = tl.where(b_norm > 1e-30, b_row / tl.maximum(b_norm, 1e-30), 0.0)
+        b_q = tl.where(o_r[:, None] == h, b_row[None, :], b_q)
+    return b_q
+
+
+@triton.jit
+def _store_rows(b_rows, payload, scale_v, i_s, o_v, qmax, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+                RESIDUAL: tl.constexpr):  # fmt: skip
+    """Quantize value rows ``o_v`` of a (smoothed) residual into the pool's payload and scales.
+
+    Per-value-channel symmetric scales reduce along the keys of each row.  ``qmax`` is a runtime value: a
+    constant divisor gets folded into a reciprocal multiply, which is not the correctly rounded quotient the
+    formats (and the tests) define.
+    """
+    o_k = tl.arange(0, K)
+    if RESIDUAL == 0:
+        tl.store(payload + i_s * V * K + o_v[:, None] * K + o_k[None, :], b_rows)
+    elif RESIDUAL == 1:
+        tl.store(payload + i_s * V * K + o_v[:, None] * K + o_k[None, :], bf16_grid(b_rows).to(tl.bfloat16))
+    else:
+        b_scale = tl.math.div_rn(tl.max(tl.abs(b_rows), 1), qmax)
+        b_scale = tl.where(b_scale == 0.0, 1.0, b_scale)
+        tl.store(scale_v + i_s * V + o_v, b_scale)
+        b_x = tl.math.div_rn(b_rows, b_scale[:, None])
+        if RESIDUAL == 3:
+            b_x = e4m3_grid(tl.minimum(tl.maximum(b_x, -qmax), qmax))
+            tl.store(payload + i_s * V * K + o_v[:, None] * K + o_k[None, :], b_x.to(tl.float8e4nv))
+        else:
+            b_x = tl.minimum(tl.maximum(rint(b_x), -qmax), qmax).to(tl.int32)
+            if RESIDUAL == 2:
+                tl.store(payload + i_s * V * K + o_v[:, None] * K + o_k[None, :], b_x.to(tl.int8))
+            else:
+                b_lo, b_hi = tl.split(tl.reshape(b_x, (BV, K // 2, 2)))
+                b_byte = ((b_lo & 0xF) | ((b_hi & 0xF) << 4)).to(tl.uint8)
+                o_k2 = tl.arange(0, K // 2)
+                tl.store(payload + i_s * V * (K // 2) + o_v[:, None] * (K // 2) + o_k2[None, :], b_byte)
+
+
+@triton.jit
+def _usable(i_s, comp_u, WARM: tl.constexpr, V: tl.constexpr, R: tl.constexpr, BV: tl.constexpr,
+            BR: tl.constexpr):  # fmt: skip
+    """Which previous value vectors can warm-start the fit (non-zero), ``[BR]`` bool."""
+    o_r = tl.arange(0, BR)
+    b_norm = tl.zeros([BR], dtype=tl.float32)
+    if WARM:
+        o_b = tl.arange(0, BV)
+        for v0 in tl.range(0, V, BV):
+            b_u = tl.load(
+                comp_u + (i_s * R + o_r[:, None]) * V + v0 + o_b[None, :], mask=(o_r < R)[:, None], other=0
+            )
+            b_norm += tl.sum(b_u.to(tl.float32) * b_u.to(tl.float32), 1)
+    return tl.sqrt(b_norm) > 1e-30
 
 
 @triton.jit
