@@ -7,6 +7,8 @@ with -1, value heads are grouped, and every run crosses at least three window bo
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -313,20 +315,23 @@ def test_close_matches_reference_across_fit_options(family, residual, rank, smoo
     cfg = PoolConfig(heads=2, d_k=K, d_v=V, window=4, compensators=rank, smoothing=smooth, residual=residual,
                      decay="vector" if family == "kda" else "scalar", power_iters=iters)  # fmt: skip
     slots = torch.tensor([3, -1, 0], dtype=torch.int32, device=DEVICE)
-    backends = ["triton", "reference"]
-    pools = [LeapQuantPool.allocate(cfg, 5, DEVICE) for _ in backends]
+    # the kernel, the reference, and the reference without quantization (its distance to the reference is
+    # what quantizing the residual changes: the yardstick for kernel-vs-reference rounding differences)
+    runs = [(cfg, "triton"), (cfg, "reference"), (replace(cfg, residual="fp32"), "reference")]
+    pools = [LeapQuantPool.allocate(c, 5, DEVICE) for c, _ in runs]
     s0 = scale * torch.randn(3, 2, K, V, generator=gen, device=DEVICE)
-    for pool, backend in zip(pools, backends):
+    for pool, (_, backend) in zip(pools, runs):
         load_states(pool, slots, s0, backend=backend)
     if scale == 0.0:
         assert not pools[0].tensors["comp_u"].any()
-    tol = 2e-3  # sums run in other orders, so a code may flip at a rounding boundary: far below int8 error
     launch = LaunchConfig(close_bv=16)
+    diff = quant = 0.0
     for _ in range(9):  # two window closes
         x = tokens(family, 3, 1, 2, gen)
-        out = [leapquant_decode(p, slots, *x, backend=b, launch=launch) for p, b in zip(pools, backends)]
-        assert rel(out[0], out[1]) < tol
+        out = [leapquant_decode(p, slots, *x, backend=b, launch=launch) for p, (_, b) in zip(pools, runs)]
+        diff, quant = diff + rel(out[0], out[1]), quant + rel(out[1], out[2])
+    assert diff < 0.5 * quant  # codes may flip at rounding boundaries (sums run in other orders), no more
     assert pools[0].pos.tolist() == pools[1].pos.tolist()
     real = slots[slots >= 0]
-    dense = [materialize_states(p, real, backend=b) for p, b in zip(pools, backends)]
-    assert rel(dense[0], dense[1]) < tol
+    dense = [materialize_states(p, real, backend=b) for p, (_, b) in zip(pools, runs)]
+    assert rel(dense[0], dense[1]) < 0.5 * rel(dense[1], dense[2])
