@@ -71,7 +71,11 @@ def test_eval_report(tiny_dir):
     assert 0 < partial[0]["decode_seconds"] <= partial[-1]["decode_seconds"] <= rep["decode_seconds"]
     assert set(rep["methods"]) == {"fp32", "int4", "leapquant-int8"}
     fp32, int4, lq = (rep["methods"][m] for m in ("fp32", "int4", "leapquant-int8"))
-    assert fp32["kl"] == 0 and fp32["top1_agreement"] == 1 and fp32["state_rel_err"] == 0
+    # The fp32 row shares the batched projections and convolutions with the other rows; on some CPUs their
+    # vector kernels round rows of one batch differently in the last bit (seen: KL 3e-16, 2026-12-02), so
+    # here fp32 must equal the baseline to rounding. Bit-exactness of a patch with fp32 alone is tested in
+    # test_transformers_integration and test_shipped_checkpoints.
+    assert fp32["kl"] < 1e-12 and fp32["top1_agreement"] == 1 and fp32["state_rel_err"] < 1e-6
     assert fp32["nll"] == pytest.approx(rep["fp32"]["nll"])
     assert int4["state_rel_err"] > lq["state_rel_err"] > 0
     assert int4["kl"] > 0 and 0 <= int4["top1_agreement"] <= 1

@@ -25,12 +25,17 @@ def bf16_grid(x):
 
 @triton.jit
 def e4m3_grid(x):
-    """fp32 in [-448, 448] -> nearest-even E4M3 value (still fp32), subnormals included."""
+    """fp32 in [-448, 448] -> nearest-even E4M3 value (still fp32), subnormals included.
+
+    Scaled onto the grid by multiplying with the exact power of two ``1 / step``: on the GPU ``x / step``
+    compiles to an approximate division (up to 2 ulp), which can move a value across a rounding boundary.
+    """
     bits = x.to(tl.uint32, bitcast=True)
     exponent = ((bits >> 23) & 0xFF).to(tl.int32) - 127
     exponent = tl.maximum(exponent, -6) - 3  # grid step 2^(e-3); subnormals share 2^-9
     step = ((exponent + 127) << 23).to(tl.float32, bitcast=True)
-    return tl.minimum(tl.maximum(rint(x / step) * step, -448.0), 448.0)
+    inv_step = ((127 - exponent) << 23).to(tl.float32, bitcast=True)
+    return tl.minimum(tl.maximum(rint(x * inv_step) * step, -448.0), 448.0)
 
 
 @triton.jit
