@@ -54,7 +54,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     k.add_argument("--close-bv", type=int, default=None, help="launch: value rows per close chunk")
     k.add_argument("--close-warps", type=int, default=None, help="launch: warps per close program")
     k.add_argument("--close-programs", type=int, default=None, help="launch: close programs per SM")
-    k.add_argument("--close-maxnreg", type=int, default=None, help="launch: chunked-close register cap")
+    k.add_argument("--close-maxnreg", type=int, default=None, help="launch: close register cap per thread")
     k.add_argument(
         "--tune",
         nargs="?",

@@ -72,7 +72,9 @@ class LaunchConfig:
         if self.close_maxnreg is not None and not 32 <= self.close_maxnreg <= 255:
             raise LeapQuantError(f"launch: close_maxnreg must be in 32..255, got {self.close_maxnreg}")
         if self.close_programs_per_sm < 1:
-            raise LeapQuantError("launch: close_programs_per_sm must be >= 1")
+            raise LeapQuantError(
+                f"launch: close_programs_per_sm must be >= 1, got {self.close_programs_per_sm}"
+            )
 
 
 def _use_triton(pool: LeapQuantPool, backend: str) -> bool:
@@ -177,7 +179,7 @@ def _close_args(pool: LeapQuantPool) -> tuple[tuple, dict]:
     return tensors, shape
 
 
-def _chunked_shape(pool: LeapQuantPool, launch: LaunchConfig) -> dict:
+def _close_shape(pool: LeapQuantPool, launch: LaunchConfig) -> dict:
     cfg = pool.config
     return dict(BV=min(cfg.d_v, launch.close_bv), BR=_pow2(cfg.compensators), BP=_pow2(cfg.window, 16),
                 REC16=cfg.records == "fp16", num_warps=launch.close_warps)  # fmt: skip
@@ -193,7 +195,7 @@ def _launch_close(pool: LeapQuantPool, n: int, launch: LaunchConfig) -> None:
     grid = _close_grid(pool, n, launch.close_programs_per_sm)
     close_kernel[(grid,)](
         list_, count, *tensors, ITERS=cfg.power_iters, maxnreg=launch.close_maxnreg, **shape,
-        **_chunked_shape(pool, launch),
+        **_close_shape(pool, launch),
     )  # fmt: skip
 
 
@@ -205,7 +207,7 @@ def _launch_boundary(pool: LeapQuantPool, slots: torch.Tensor, dense: torch.Tens
     launch = LaunchConfig()
     boundary_kernel[(slots.shape[0] * cfg.heads,)](
         slots, dense, *tensors, HV=cfg.heads, MODE=mode, DENSE_KV=kv, ITERS=cfg.cold_iters, **shape,
-        **_chunked_shape(pool, launch),
+        **_close_shape(pool, launch),
     )  # fmt: skip
 
 

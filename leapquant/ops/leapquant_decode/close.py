@@ -135,10 +135,10 @@ def _window_factors(
     """The head's factors of the state after ``count`` records (loop invariants of every pass):
 
     * ``end [K]``: the decay to the window's end (applied to the tokens), ``col = c * end [K]``;
-    * ``w [BP]``, ``keys_hi/keys_lo [BP, K]``: record ``j`` adds ``w_j u_j (keys_hi + keys_lo)_j^T``.  GDN's
-      decay is a scalar per record, so it goes into ``w`` and the keys stay the stored fp16 ones (exact tf32,
-      no ``lo`` part); KDA's decays act on key channels, so its keys carry them, split in two.  Zero rows
-      beyond ``count``.
+    * ``w [BP]``, ``keys_hi/keys_lo [BP, K]``: record ``j`` adds ``w_j u_j k_j^T``.  GDN's decay is a scalar
+      per record, so it goes into ``w`` and the keys stay the stored fp16 ones (exact in tf32: ``keys_hi``
+      is the key and ``keys_lo`` unused); KDA's decays act on key channels, so its keys carry them, split
+      as ``k_j = keys_hi + keys_lo`` (fp32 records: ``keys_hi`` unsplit).  Zero rows beyond ``count``.
     """
     o_k = tl.arange(0, K)
     o_p = tl.arange(0, BP)
@@ -211,10 +211,12 @@ def _rows(
 
 
 @triton.jit
-def _start_value(i_s, r, o_v, comp_u, b_usable, o_r, WARM: tl.constexpr, V: tl.constexpr, R: tl.constexpr):
-    """Starting value vector ``r`` of the fit on rows ``o_v``, ``[BV]``: the previous token's values, or the
-    hashed +-1 vector where that token is zero (or there is none)."""
-    b_hash = tl.sum(tl.where(o_r[:, None] == r, _start_vectors(o_r, o_v), 0.0), 0)
+def _start_value(
+    i_s, r, o_v, comp_u, b_usable, b_hashed, o_r, WARM: tl.constexpr, V: tl.constexpr, R: tl.constexpr
+):
+    """Starting value vector ``r`` of the fit on rows ``o_v``, ``[BV]``: the previous token's values, or row
+    ``r`` of the chunk's hashed +-1 vectors ``b_hashed [BR, BV]`` where that token is zero (or absent)."""
+    b_hash = _row(b_hashed, o_r, r)
     if WARM:
         b_old = tl.load(comp_u + (i_s * R + r) * V + o_v).to(tl.float32)
         usable = tl.sum(tl.where(o_r == r, b_usable.to(tl.int32), 0)) > 0
@@ -269,8 +271,9 @@ def _requantize(
                 i_s, o_v, p_dense, b_end, b_col, b_w, b_khi, b_klo, count, payload, scale_v, comp_k, comp_u,
                 rec_u, K, V, P, R, BP, RESIDUAL, DENSE, DENSE_KV, VECTOR_DECAY, REC16,
             )  # fmt: skip
+            b_hashed = _start_vectors(o_r, o_v)  # once per chunk, for all tokens
             for r in tl.static_range(R):
-                b_start = _start_value(i_s, r, o_v, comp_u, b_usable, o_r, WARM, V, R)
+                b_start = _start_value(i_s, r, o_v, comp_u, b_usable, b_hashed, o_r, WARM, V, R)
                 b_zr = tl.sum(b_rows * b_start[:, None], 0)
                 b_z += tl.where(o_r[:, None] == r, b_zr[None, :], 0.0)
         b_qk = _orthonormalize_rows(b_z, o_r, R)
