@@ -56,14 +56,26 @@ def main() -> None:
                   comp_k="*fp16", comp_u="*fp16", payload=PAYLOAD[2])  # fmt: skip
     step_ptrs = dict(common, q="*bf16", k="*bf16", v="*bf16", g="*fp32", beta="*bf16", b_read="*i32",
                      o="*bf16", slots="*i32", close_list="*i32", close_count="*i32")  # fmt: skip
-    for decay, (bv, warps) in (("scalar", (8, 1)), ("scalar", (16, 2)), ("vector", (32, 4))):
+    for decay, bv, warps in (("scalar", 8, 1), ("vector", 32, 4)):
         consts = dict(H=16, HV=32, K=128, V=128, P=16, R=4, BV=bv, BP=16, BR=4, NATIVE=True,
-                      USE_QK_L2NORM=True, BETA_SIGMOID=False, RESIDUAL=2, SMOOTH=True, READ_PRE=False,
-                      ADVANCE=True, STAGES=2,
-                      FAST_CVT=True, VECTOR_DECAY=decay == "vector", HAS_DT_BIAS=False, GATE_IN_KERNEL=False,
-                      A_log=None, dt_bias=None)  # fmt: skip
-        print(f"step kernel, {decay} decay, BV={bv}, {warps} warps:",
-              resources(lq.step_kernel, step_ptrs, {"qk_scale": "fp32"}, consts, warps))  # fmt: skip
+                      USE_QK_L2NORM=True, BETA_SIGMOID=False, RESIDUAL=3, SMOOTH=True, READ_PRE=False,
+                      ADVANCE=True, STAGES=2, FAST_CVT=True, VECTOR_DECAY=decay == "vector",
+                      HAS_DT_BIAS=False, GATE_IN_KERNEL=False, A_log=None, dt_bias=None)  # fmt: skip
+        ptrs = dict(step_ptrs, payload=PAYLOAD[3])
+        print(f"step kernel (CUDA cores), {decay} decay, fp8, BV={bv}, {warps} warps:",
+              resources(lq.step_kernel, ptrs, {"qk_scale": "fp32"}, consts, warps))  # fmt: skip
+    tc_shapes = (("scalar", 2, 4, 16, 1), ("vector", 2, 4, 16, 1), ("scalar", 4, 8, 16, 1),
+                 ("scalar", 2, 0, 16, 1), ("scalar", 2, 4, 32, 1), ("vector", 2, 4, 32, 2))  # fmt: skip
+    for decay, code, rank, bv, warps in tc_shapes:
+        consts = dict(H=16, HV=32, K=128, V=128, P=16, R=rank, BV=bv, BP=16, STAGES=3, NATIVE=True,
+                      USE_QK_L2NORM=True,
+                      BETA_SIGMOID=False, RESIDUAL=code, SMOOTH=True, READ_PRE=False, ADVANCE=True,
+                      VECTOR_DECAY=decay == "vector", HAS_DT_BIAS=False, GATE_IN_KERNEL=False, A_log=None,
+                      dt_bias=None)  # fmt: skip
+        ptrs = dict(step_ptrs, payload=PAYLOAD[code])
+        print(f"step kernel (tensor cores), {decay} decay, {'int4' if code == 4 else 'int8'}, r={rank}, "
+              f"BV={bv}, {warps} warps:",
+              resources(lq.step_tc_kernel, ptrs, {"qk_scale": "fp32"}, consts, warps))  # fmt: skip
     close_ptrs = dict(common, close_list="*i32", close_count="*i32")
     scalars = {"smooth_floor": "fp32", "qmax": "fp32"}
     shapes = ((4, False, 32, 4, None), (4, True, 32, 4, None), (8, False, 32, 4, None),

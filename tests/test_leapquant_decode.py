@@ -26,7 +26,7 @@ from leapquant.recurrences.records import Records, exact_recurrence
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FULL = DEVICE == "cuda"
-K, V = (128, 128) if FULL else (16, 32)
+K, V = (128, 128) if FULL else (32, 32)
 
 
 def tokens(family: str, n: int, h: int, hv: int, gen: torch.Generator):

@@ -51,6 +51,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     k.add_argument("--variant", "-v", action="append", help="variants instead of the preset (repeatable)")
     k.add_argument("--step-bv", type=int, default=None, help="launch: value rows per step chunk")
     k.add_argument("--step-warps", type=int, default=None, help="launch: warps per step program")
+    k.add_argument("--step-tc-bv", type=int, default=None, help="launch: rows per tensor-core chunk")
+    k.add_argument("--step-tc-warps", type=int, default=None, help="launch: warps per tensor-core step")
+    k.add_argument("--step-tc-stages", type=int, default=None, help="launch: tensor-core step pipeline depth")
+    k.add_argument(
+        "--cuda-core-step", action="store_true", help="launch: the CUDA-core step even for integer residuals"
+    )
     k.add_argument("--close-bv", type=int, default=None, help="launch: value rows per close chunk")
     k.add_argument("--close-warps", type=int, default=None, help="launch: warps per close program")
     k.add_argument("--close-programs", type=int, default=None, help="launch: close programs per SM")
@@ -59,11 +65,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "--tune",
         nargs="?",
         const="all",
-        choices=("all", "close"),
+        choices=("all", "step", "close"),
         default=None,
         help="before the variants, time a small grid of launch shapes per family (step-only and full "
-        "leapquant-int8 at the first N; 'close': the close shapes only) and use the fastest; the kernels "
-        "are never autotuned in place",
+        "leapquant-int8 at the first N; 'step' or 'close': only those shapes) and use the fastest; the "
+        "kernels are never autotuned in place",
     )
     k.add_argument(
         "--sweep-at",
@@ -201,6 +207,10 @@ def run_kernel(args: argparse.Namespace) -> int:
     overrides = {
         "step_bv": args.step_bv,
         "step_warps": args.step_warps,
+        "step_tc_bv": args.step_tc_bv,
+        "step_tc_warps": args.step_tc_warps,
+        "step_tc_stages": args.step_tc_stages,
+        "step_mma": False if args.cuda_core_step else None,
         "close_bv": args.close_bv,
         "close_warps": args.close_warps,
         "close_programs_per_sm": args.close_programs,
@@ -245,7 +255,8 @@ def run_kernel(args: argparse.Namespace) -> int:
         shape = launch
         if args.tune:
             case = KernelCase(family=family, n=sizes[0], heads=args.heads, key_heads=key_heads)
-            shape = _tune(case, launch, measure, report, con, step=args.tune == "all")
+            shape = _tune(case, launch, measure, report, con, step=args.tune != "close",
+                          close=args.tune != "step")  # fmt: skip
             save()
         report["launch"][family] = shape.__dict__
         runs = [(n, variants, "main") for n in sizes]
@@ -284,8 +295,19 @@ def run_kernel(args: argparse.Namespace) -> int:
     return 0
 
 
-# Launch shapes tried by --tune: (value rows per chunk, warps, pipeline stages, fast int8 conversion) of
-# the step kernel, then (value rows per chunk, warps, programs per SM, register cap) of the window close.
+# Launch shapes tried by --tune: (value rows per chunk, warps, pipeline stages) of the tensor-core step
+# kernel, (value rows per chunk, warps, pipeline stages, fast int8 conversion) of the CUDA-core one, then
+# (value rows per chunk, warps, programs per SM, register cap) of the window close.
+TC_STEP_SHAPES = (
+    (16, 1, 2),
+    (16, 1, 3),
+    (16, 1, 4),
+    (32, 1, 2),
+    (32, 1, 3),
+    (32, 2, 3),
+    (64, 1, 2),
+    (64, 1, 3),
+)
 STEP_SHAPES = (
     (32, 4, 2, True),
     (32, 4, 4, True),
@@ -306,21 +328,24 @@ CLOSE_SHAPES = (
 )
 
 
-def _tune(case, launch, measure, report, con, *, step: bool = True):
-    """Pick the fastest step shape on ``leapquant-int8:step`` (unless ``step`` is false), then the close
-    shape on ``leapquant-int8``."""
+def _tune(case, launch, measure, report, con, *, step: bool = True, close: bool = True):
+    """Pick the fastest step shape on ``leapquant-int8:step`` (tensor-core and CUDA-core kernels), then
+    the close shape on ``leapquant-int8``."""
     from dataclasses import replace
 
     best, best_ms = launch, float("inf")
-    for bv, warps, stages, fast in STEP_SHAPES if step else ():
-        shape = replace(launch, step_bv=bv, step_warps=warps, step_stages=stages, fast_cvt=fast)
+    shapes = [replace(launch, step_mma=True, step_tc_bv=bv, step_tc_warps=w, step_tc_stages=st)
+              for bv, w, st in TC_STEP_SHAPES]  # fmt: skip
+    shapes += [replace(launch, step_mma=False, step_bv=bv, step_warps=w, step_stages=st, fast_cvt=fast)
+               for bv, w, st, fast in STEP_SHAPES]  # fmt: skip
+    for shape in shapes if step else ():
         row = measure("leapquant-int8:step", case, shape)
         report["tuning"].append(row)
         if "error" not in row and row["ms"] < best_ms:
             best, best_ms = shape, row["ms"]
         con.print(f"tune {case.family} step {shape}: {row.get('ms', float('nan')) * 1e3:.1f} us")
     chosen, best_ms = best, float("inf")
-    for bv, warps, programs, maxnreg in CLOSE_SHAPES:
+    for bv, warps, programs, maxnreg in CLOSE_SHAPES if close else ():
         shape = replace(
             best, close_bv=bv, close_warps=warps, close_programs_per_sm=programs, close_maxnreg=maxnreg
         )

@@ -5,13 +5,21 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["bf16_grid", "e4m3_grid", "native_token", "rint"]
+__all__ = ["bf16_grid", "e4m3_grid", "native_token", "rint", "tf32_split"]
 
 
 @triton.jit
 def rint(x):
     """Round half to even for |x| < 2^22 (the fp32 add rounds; no libdevice needed, works interpreted)."""
     return (x + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def tf32_split(x):
+    """``x = hi + lo`` with ``hi`` exact in tf32 (low 13 mantissa bits cleared): tf32 products of both
+    halves against an exact operand give fp32-level accuracy."""
+    hi = (x.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+    return hi, x - hi
 
 
 @triton.jit

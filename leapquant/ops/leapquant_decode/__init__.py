@@ -35,7 +35,16 @@ class LaunchConfig:
         step_bv: value rows per chunk of the step kernel (one program per head walks ``V / step_bv`` chunks).
         step_warps: warps per step program.
         step_stages: software-pipelining depth of the step kernel's loop over value chunks.
-        fast_cvt: int8 -> fp32 through exponent bits (integer add + fp add) instead of the conversion unit.
+        fast_cvt: int8 -> fp32 through exponent bits (integer add + fp add) instead of the conversion unit
+            (CUDA-core reads only).
+        step_mma: run the step on tensor cores (``step_tc_kernel``: one program per head, whole state)
+            where it applies: integer residuals (int8, int6, int4) with fp16 records, ``d_k`` a multiple of
+            32; the read vectors go in as exact fixed-point limbs, so accuracy is fp32-level.  Otherwise
+            (and for fp8, bf16, fp32 residuals) the CUDA-core ``step_kernel`` with the ``step_*`` shape.
+        step_tc_bv: value rows per chunk of the tensor-core step (at least 16).
+        step_tc_warps: warps per tensor-core step program (one: a head's per-token work is vectors and
+            small tiles that more warps would replicate, not share).
+        step_tc_stages: software-pipelining depth of its loop over value chunks.
         close_bv: value rows per chunk of the window close (``close.py``: the state streamed through
             registers in value-row chunks, rebuilt from the pool at each pass), and of prefill hand-off and
             materialization.
@@ -49,6 +58,10 @@ class LaunchConfig:
     step_warps: int = 4
     step_stages: int = 2
     fast_cvt: bool = True
+    step_mma: bool = True
+    step_tc_bv: int = 32
+    step_tc_warps: int = 1
+    step_tc_stages: int = 3
     close_bv: int = 32
     close_warps: int = 4
     close_programs_per_sm: int = 4
@@ -63,10 +76,12 @@ class LaunchConfig:
         return cls(step_bv=32, step_warps=4, step_stages=4)
 
     def __post_init__(self) -> None:
-        for name in ("step_bv", "step_warps", "close_bv", "close_warps"):
+        for name in ("step_bv", "step_warps", "step_tc_bv", "step_tc_warps", "close_bv", "close_warps"):
             x = getattr(self, name)
             if x < 1 or x & (x - 1):
                 raise LeapQuantError(f"launch: {name} must be a power of two, got {x}")
+        if self.step_tc_bv < 16:
+            raise LeapQuantError(f"launch: step_tc_bv must be >= 16 (a tl.dot tile), got {self.step_tc_bv}")
         if self.close_bv < 16:
             raise LeapQuantError(f"launch: close_bv must be >= 16 (a tl.dot operand), got {self.close_bv}")
         if self.close_maxnreg is not None and not 32 <= self.close_maxnreg <= 255:
@@ -104,6 +119,18 @@ def _check_decay(pool: LeapQuantPool, g: torch.Tensor, n: int) -> None:
     _check_token(pool, "g", g, shape)
 
 
+def _tensor_core_step(cfg, launch: LaunchConfig) -> bool:
+    """Whether the step runs on tensor cores (``step_tc_kernel``): integer residual codes, fp16 records,
+    and head dims the products tile (int8 products take 32 keys at a time, at least 16 value rows)."""
+    return (
+        launch.step_mma
+        and cfg.residual in ("int8", "int6", "int4")
+        and cfg.records == "fp16"
+        and cfg.d_k % 32 == 0
+        and cfg.d_v >= 16
+    )
+
+
 def _launch_step(
     pool,
     slots,
@@ -123,7 +150,7 @@ def _launch_step(
     launch,
     advance,
 ):
-    from .fused_recurrent import RESIDUAL_CODES, step_kernel
+    from .fused_recurrent import RESIDUAL_CODES, step_kernel, step_tc_kernel
 
     cfg = pool.config
     n = slots.shape[0]
@@ -131,7 +158,7 @@ def _launch_step(
     t = pool.tensors
     dummy = t["pos"]
     list_, count = pool.close_list()
-    step_kernel[(n * cfg.heads,)](
+    args = (
         q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(),
         beta.contiguous() if beta is not None else dummy,
         b_read.contiguous() if b_read is not None else dummy,
@@ -139,12 +166,23 @@ def _launch_step(
         t["payload"], t.get("scale", dummy), t.get("smooth", dummy), t.get("comp_k", dummy),
         t.get("comp_u", dummy), t["rec_g"], t["rec_k"], t["rec_u"], t["pos"], list_, count,
         qk_scale,
-        H=q.shape[1] if native else cfg.heads, HV=cfg.heads, K=cfg.d_k, V=cfg.d_v, P=cfg.window,
-        R=cfg.compensators, BV=min(cfg.d_v, launch.step_bv), BP=_pow2(cfg.window), BR=_pow2(cfg.compensators),
-        NATIVE=native, USE_QK_L2NORM=l2norm, BETA_SIGMOID=sigmoid,
-        RESIDUAL=RESIDUAL_CODES[cfg.residual][0], SMOOTH=cfg.smoothing, READ_PRE=pre, ADVANCE=advance,
-        STAGES=launch.step_stages, FAST_CVT=launch.fast_cvt, num_warps=launch.step_warps,
     )  # fmt: skip
+    shape = dict(
+        H=q.shape[1] if native else cfg.heads, HV=cfg.heads, K=cfg.d_k, V=cfg.d_v, P=cfg.window,
+        R=cfg.compensators, BP=_pow2(cfg.window), NATIVE=native, USE_QK_L2NORM=l2norm, BETA_SIGMOID=sigmoid,
+        RESIDUAL=RESIDUAL_CODES[cfg.residual][0], SMOOTH=cfg.smoothing, READ_PRE=pre, ADVANCE=advance,
+    )  # fmt: skip
+    if _tensor_core_step(cfg, launch):
+        shape["BP"] = _pow2(cfg.window, 16)  # a tl.dot operand
+        step_tc_kernel[(n * cfg.heads,)](
+            *args, BV=min(cfg.d_v, launch.step_tc_bv), STAGES=launch.step_tc_stages,
+            num_warps=launch.step_tc_warps, **shape,
+        )  # fmt: skip
+    else:
+        step_kernel[(n * cfg.heads,)](
+            *args, BV=min(cfg.d_v, launch.step_bv), BR=_pow2(cfg.compensators), STAGES=launch.step_stages,
+            FAST_CVT=launch.fast_cvt, num_warps=launch.step_warps, **shape,
+        )  # fmt: skip
     return out
 
 
