@@ -335,3 +335,55 @@ def test_close_matches_reference_across_fit_options(family, residual, rank, smoo
     real = slots[slots >= 0]
     dense = [materialize_states(p, real, backend=b) for p, (_, b) in zip(pools, runs)]
     assert rel(dense[0], dense[1]) < 0.5 * rel(dense[1], dense[2])
+
+
+@pytest.mark.parametrize(
+    ("family", "residual", "window", "rank", "magnitude"),
+    [
+        pytest.param("gdn", "int8", 4, 2, 1.0, id="gdn-int8"),
+        pytest.param("kda", "int8", 8, 4, 1.0, id="kda-int8-p8-r4"),
+        pytest.param("gdn", "int4", 4, 8, 1.0, id="gdn-int4-r8"),
+        pytest.param("kda", "int6", 4, 0, 1.0, id="kda-int6-r0"),
+        pytest.param("gdn", "int8", 4, 2, 1e-18, id="gdn-int8-tiny-queries"),
+        pytest.param("kda", "int8", 4, 2, 1e15, id="kda-int8-huge-queries"),
+    ],
+)
+def test_tensor_core_step_matches_cuda_core_step(family, residual, window, rank, magnitude):
+    """The tensor-core step (exact fixed-point limbs of the read vectors, fp16 pieces of the record
+    weights) gives the CUDA-core step's outputs and records to fp32 rounding, at any scale of the queries
+    (the limbs' shared exponent follows the vector), and propagates a non-finite query instead of hiding it.
+    """
+    from leapquant.ops.leapquant_decode import LaunchConfig
+
+    if K % 32:
+        pytest.skip("tensor-core products need d_k a multiple of 32")
+    gen = torch.Generator(device=DEVICE).manual_seed(17)
+    hv, n = 4, 5
+    cfg = PoolConfig(heads=hv, d_k=K, d_v=V, window=window, compensators=rank, smoothing=True,
+                     residual=residual, decay="vector" if family == "kda" else "scalar")  # fmt: skip
+    launches = {"tc": LaunchConfig(step_mma=True, step_tc_bv=16), "cc": LaunchConfig(step_mma=False)}
+    pools = {name: LeapQuantPool.allocate(cfg, n + 2, DEVICE) for name in launches}
+    slots = torch.tensor([3, -1, 0, 6, 2], dtype=torch.int32, device=DEVICE)
+    states = torch.randn(n, hv, K, V, generator=gen, device=DEVICE) * 0.3
+    for pool in pools.values():
+        load_states(pool, slots, states, backend="triton")
+    for t in range(window):  # the whole window: 0 .. P-1 records; the last step also closes it
+        q, k, v, g, beta = tokens(family, n, 2, hv, gen)
+        q = q * magnitude
+        outs = {
+            name: leapquant_decode(pools[name], slots, q, k, v, g, beta, backend="triton", launch=launch)
+            for name, launch in launches.items()
+        }
+        real = slots >= 0
+        assert torch.equal(outs["tc"][~real], torch.zeros_like(outs["tc"][~real]))
+        assert rel(outs["tc"][real], outs["cc"][real]) < 1e-5, t
+        assert pools["tc"].pos.tolist() == pools["cc"].pos.tolist()
+        for name in ("rec_u", "rec_k", "rec_g"):
+            assert rel(pools["tc"].tensors[name].float(), pools["cc"].tensors[name].float()) < 1e-3, name
+    # after the close both pools hold a boundary fitted from records that differ in the last fp16 bit:
+    # equally good, no longer comparable to rounding
+    q, k, v, g, beta = tokens(family, n, 2, hv, gen)
+    q[2, 0, 0] = float("inf")  # sequence 2 reads key head 0: its value heads must not come out finite
+    out = leapquant_decode(pools["tc"], slots, q, k, v, g, beta, backend="triton", launch=launches["tc"])
+    assert not torch.isfinite(out[2, : hv // 2]).any()
+    assert torch.isfinite(out[0]).all()
