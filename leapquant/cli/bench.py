@@ -54,6 +54,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     k.add_argument("--step-tc-bv", type=int, default=None, help="launch: rows per tensor-core chunk")
     k.add_argument("--step-tc-warps", type=int, default=None, help="launch: warps per tensor-core step")
     k.add_argument("--step-tc-stages", type=int, default=None, help="launch: tensor-core step pipeline depth")
+    k.add_argument("--step-tc-maxnreg", type=int, default=None, help="launch: tensor-core step register cap")
     k.add_argument(
         "--cuda-core-step", action="store_true", help="launch: the CUDA-core step even for integer residuals"
     )
@@ -210,6 +211,7 @@ def run_kernel(args: argparse.Namespace) -> int:
         "step_tc_bv": args.step_tc_bv,
         "step_tc_warps": args.step_tc_warps,
         "step_tc_stages": args.step_tc_stages,
+        "step_tc_maxnreg": args.step_tc_maxnreg,
         "step_mma": False if args.cuda_core_step else None,
         "close_bv": args.close_bv,
         "close_warps": args.close_warps,
@@ -295,18 +297,18 @@ def run_kernel(args: argparse.Namespace) -> int:
     return 0
 
 
-# Launch shapes tried by --tune: (value rows per chunk, warps, pipeline stages) of the tensor-core step
-# kernel, (value rows per chunk, warps, pipeline stages, fast int8 conversion) of the CUDA-core one, then
-# (value rows per chunk, warps, programs per SM, register cap) of the window close.
+# Launch shapes tried by --tune: (value rows per chunk, warps, pipeline stages, register cap) of the
+# tensor-core step kernel, (value rows per chunk, warps, pipeline stages, fast int8 conversion) of the
+# CUDA-core one, then (value rows per chunk, warps, programs per SM, register cap) of the window close.
 TC_STEP_SHAPES = (
-    (16, 1, 2),
-    (16, 1, 3),
-    (16, 1, 4),
-    (32, 1, 2),
-    (32, 1, 3),
-    (32, 2, 3),
-    (64, 1, 2),
-    (64, 1, 3),
+    (16, 1, 3, None),
+    (32, 1, 2, None),
+    (32, 1, 3, None),
+    (32, 1, 4, None),
+    (32, 1, 3, 168),
+    (32, 1, 3, 128),
+    (64, 1, 2, None),
+    (64, 1, 3, 168),
 )
 STEP_SHAPES = (
     (32, 4, 2, True),
@@ -334,8 +336,8 @@ def _tune(case, launch, measure, report, con, *, step: bool = True, close: bool 
     from dataclasses import replace
 
     best, best_ms = launch, float("inf")
-    shapes = [replace(launch, step_mma=True, step_tc_bv=bv, step_tc_warps=w, step_tc_stages=st)
-              for bv, w, st in TC_STEP_SHAPES]  # fmt: skip
+    shapes = [replace(launch, step_mma=True, step_tc_bv=bv, step_tc_warps=w, step_tc_stages=st,
+                      step_tc_maxnreg=reg) for bv, w, st, reg in TC_STEP_SHAPES]  # fmt: skip
     shapes += [replace(launch, step_mma=False, step_bv=bv, step_warps=w, step_stages=st, fast_cvt=fast)
                for bv, w, st, fast in STEP_SHAPES]  # fmt: skip
     for shape in shapes if step else ():

@@ -45,6 +45,9 @@ class LaunchConfig:
         step_tc_warps: warps per tensor-core step program (one: a head's per-token work is vectors and
             small tiles that more warps would replicate, not share).
         step_tc_stages: software-pipelining depth of its loop over value chunks.
+        step_tc_maxnreg: register cap per thread of the tensor-core step (``None``: the compiler's choice,
+            ~200 for GDN and 255 for KDA, which limits a multiprocessor to 8-10 warps of a memory-bound
+            kernel).
         close_bv: value rows per chunk of the window close (``close.py``: the state streamed through
             registers in value-row chunks, rebuilt from the pool at each pass), and of prefill hand-off and
             materialization.
@@ -62,6 +65,7 @@ class LaunchConfig:
     step_tc_bv: int = 32
     step_tc_warps: int = 1
     step_tc_stages: int = 3
+    step_tc_maxnreg: int | None = None
     close_bv: int = 32
     close_warps: int = 4
     close_programs_per_sm: int = 4
@@ -84,8 +88,10 @@ class LaunchConfig:
             raise LeapQuantError(f"launch: step_tc_bv must be >= 16 (a tl.dot tile), got {self.step_tc_bv}")
         if self.close_bv < 16:
             raise LeapQuantError(f"launch: close_bv must be >= 16 (a tl.dot operand), got {self.close_bv}")
-        if self.close_maxnreg is not None and not 32 <= self.close_maxnreg <= 255:
-            raise LeapQuantError(f"launch: close_maxnreg must be in 32..255, got {self.close_maxnreg}")
+        for name in ("step_tc_maxnreg", "close_maxnreg"):
+            x = getattr(self, name)
+            if x is not None and not 32 <= x <= 255:
+                raise LeapQuantError(f"launch: {name} must be in 32..255, got {x}")
         if self.close_programs_per_sm < 1:
             raise LeapQuantError(
                 f"launch: close_programs_per_sm must be >= 1, got {self.close_programs_per_sm}"
@@ -176,7 +182,7 @@ def _launch_step(
         shape["BP"] = _pow2(cfg.window, 16)  # a tl.dot operand
         step_tc_kernel[(n * cfg.heads,)](
             *args, BV=min(cfg.d_v, launch.step_tc_bv), STAGES=launch.step_tc_stages,
-            num_warps=launch.step_tc_warps, **shape,
+            num_warps=launch.step_tc_warps, maxnreg=launch.step_tc_maxnreg, **shape,
         )  # fmt: skip
     else:
         step_kernel[(n * cfg.heads,)](
