@@ -55,11 +55,12 @@ def main() -> None:
     common = dict(rec_g="*fp32", rec_k="*fp16", rec_u="*fp16", pos="*i32", scale_v="*fp32", smooth="*fp32",
                   comp_k="*fp16", comp_u="*fp16", payload=PAYLOAD[2])  # fmt: skip
     step_ptrs = dict(common, q="*bf16", k="*bf16", v="*bf16", g="*fp32", beta="*bf16", b_read="*i32",
-                     o="*bf16", slots="*i32", close_list="*i32", close_count="*i32")  # fmt: skip
+                     o="*bf16", slots="*i32", close_list="*i32", close_count="*i32",
+                     closing="*i8")  # fmt: skip
     for decay, bv, warps in (("scalar", 8, 1), ("vector", 32, 4)):
         consts = dict(H=16, HV=32, K=128, V=128, P=16, R=4, BV=bv, BP=16, BR=4, NATIVE=True,
                       USE_QK_L2NORM=True, BETA_SIGMOID=False, RESIDUAL=3, SMOOTH=True, READ_PRE=False,
-                      ADVANCE=True, STAGES=2, FAST_CVT=True, VECTOR_DECAY=decay == "vector",
+                      ADVANCE=True, SUBSET=0, STAGES=2, FAST_CVT=True, VECTOR_DECAY=decay == "vector",
                       HAS_DT_BIAS=False, GATE_IN_KERNEL=False, A_log=None, dt_bias=None)  # fmt: skip
         ptrs = dict(step_ptrs, payload=PAYLOAD[3])
         print(f"step kernel (CUDA cores), {decay} decay, fp8, BV={bv}, {warps} warps:",
@@ -70,6 +71,7 @@ def main() -> None:
         consts = dict(H=16, HV=32, K=128, V=128, P=16, R=rank, BV=bv, BP=16, STAGES=3, NATIVE=True,
                       USE_QK_L2NORM=True,
                       BETA_SIGMOID=False, RESIDUAL=code, SMOOTH=True, READ_PRE=False, ADVANCE=True,
+                      SUBSET=1,
                       VECTOR_DECAY=decay == "vector", HAS_DT_BIAS=False, GATE_IN_KERNEL=False, A_log=None,
                       dt_bias=None)  # fmt: skip
         ptrs = dict(step_ptrs, payload=PAYLOAD[code])

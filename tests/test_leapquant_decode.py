@@ -361,7 +361,11 @@ def test_tensor_core_step_matches_cuda_core_step(family, residual, window, rank,
     hv, n = 4, 5
     cfg = PoolConfig(heads=hv, d_k=K, d_v=V, window=window, compensators=rank, smoothing=True,
                      residual=residual, decay="vector" if family == "kda" else "scalar")  # fmt: skip
-    launches = {"tc": LaunchConfig(step_mma=True, step_tc_bv=16), "cc": LaunchConfig(step_mma=False)}
+    # also the two close schedules: split (closing heads step and close beside the others) and in turn
+    launches = {
+        "tc": LaunchConfig(step_mma=True, step_tc_bv=16, overlap_close=True),
+        "cc": LaunchConfig(step_mma=False, overlap_close=False),
+    }
     pools = {name: LeapQuantPool.allocate(cfg, n + 2, DEVICE) for name in launches}
     slots = torch.tensor([3, -1, 0, 6, 2], dtype=torch.int32, device=DEVICE)
     states = torch.randn(n, hv, K, V, generator=gen, device=DEVICE) * 0.3

@@ -58,6 +58,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     k.add_argument(
         "--cuda-core-step", action="store_true", help="launch: the CUDA-core step even for integer residuals"
     )
+    k.add_argument(
+        "--no-overlap-close", action="store_true", help="launch: step, then close (no side stream)"
+    )
     k.add_argument("--close-bv", type=int, default=None, help="launch: value rows per close chunk")
     k.add_argument("--close-warps", type=int, default=None, help="launch: warps per close program")
     k.add_argument("--close-programs", type=int, default=None, help="launch: close programs per SM")
@@ -213,6 +216,7 @@ def run_kernel(args: argparse.Namespace) -> int:
         "step_tc_stages": args.step_tc_stages,
         "step_tc_maxnreg": args.step_tc_maxnreg,
         "step_mma": False if args.cuda_core_step else None,
+        "overlap_close": False if args.no_overlap_close else None,
         "close_bv": args.close_bv,
         "close_warps": args.close_warps,
         "close_programs_per_sm": args.close_programs,
@@ -322,11 +326,11 @@ STEP_SHAPES = (
     (64, 8, 2, True),
 )
 CLOSE_SHAPES = (
+    (32, 4, 1, 128),
+    (32, 4, 2, 128),
     (32, 4, 2, None),
     (32, 4, 3, 168),
     (32, 4, 4, 128),
-    (16, 4, 3, 168),
-    (16, 4, 4, 128),
 )
 
 

@@ -223,6 +223,12 @@ class LeapQuantPool:
             )
         return self.__dict__["_close_list"]
 
+    def side_stream(self) -> torch.cuda.Stream:
+        """The high-priority CUDA stream the window closes run on beside the step (``overlap_close``)."""
+        if "_side_stream" not in self.__dict__:
+            self.__dict__["_side_stream"] = torch.cuda.Stream(self.device, priority=-1)
+        return self.__dict__["_side_stream"]
+
     @property
     def device(self) -> torch.device:
         return self.tensors["pos"].device

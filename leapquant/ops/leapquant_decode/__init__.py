@@ -53,6 +53,8 @@ class LaunchConfig:
             materialization.
         close_warps: warps per close program.
         close_programs_per_sm: persistent close programs per multiprocessor.
+        overlap_close: the window closes of a step run on a side stream, beside the step of the heads that
+            do not close (``_launch_step``); False: step, then close.
         close_maxnreg: register cap per thread of the close (``None``: the compiler's choice); a lower cap
             lets more close programs share a multiprocessor, at the price of a few spills.
     """
@@ -69,6 +71,7 @@ class LaunchConfig:
     close_bv: int = 32
     close_warps: int = 4
     close_programs_per_sm: int = 4
+    overlap_close: bool = True
     close_maxnreg: int | None = 128
 
     @classmethod
@@ -138,25 +141,25 @@ def _tensor_core_step(cfg, launch: LaunchConfig) -> bool:
 
 
 def _launch_step(
-    pool,
-    slots,
-    q,
-    k,
-    v,
-    g,
-    beta,
-    b_read,
-    a_log,
-    dt_bias,
-    qk_scale,
-    native,
-    l2norm,
-    sigmoid,
-    pre,
-    launch,
-    advance,
-):
-    from .fused_recurrent import RESIDUAL_CODES, step_kernel, step_tc_kernel
+    pool, slots, q, k, v, g, beta, b_read, a_log, dt_bias, qk_scale, native, l2norm, sigmoid, pre, launch,
+    advance, *, close: bool = False,
+):  # fmt: skip
+    """One step of every head in ``slots``; with ``close``, also the window closes it leads to.
+
+    With ``launch.overlap_close`` the heads that fill their window this step (a snapshot of the window
+    positions says which) step and close on a side stream while the others step on the current one: the
+    close is compute-bound and the step memory-bound, so they share the GPU instead of taking turns.  The
+    two step launches touch disjoint heads (one decides by the snapshot, not by positions the other
+    changes), so the result is the same as one launch followed by the close.
+    """
+    from .fused_recurrent import (
+        RESIDUAL_CODES,
+        SUBSET_ALL,
+        SUBSET_CLOSING,
+        SUBSET_OTHERS,
+        step_kernel,
+        step_tc_kernel,
+    )  # fmt: skip
 
     cfg = pool.config
     n = slots.shape[0]
@@ -164,13 +167,15 @@ def _launch_step(
     t = pool.tensors
     dummy = t["pos"]
     list_, count = pool.close_list()
+    split = close and advance and launch.overlap_close
+    closing = (t["pos"] == cfg.window - 1).to(torch.int8) if split else dummy
     args = (
         q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(),
         beta.contiguous() if beta is not None else dummy,
         b_read.contiguous() if b_read is not None else dummy,
         a_log, dt_bias, out, slots,
         t["payload"], t.get("scale", dummy), t.get("smooth", dummy), t.get("comp_k", dummy),
-        t.get("comp_u", dummy), t["rec_g"], t["rec_k"], t["rec_u"], t["pos"], list_, count,
+        t.get("comp_u", dummy), t["rec_g"], t["rec_k"], t["rec_u"], t["pos"], list_, count, closing,
         qk_scale,
     )  # fmt: skip
     shape = dict(
@@ -178,17 +183,41 @@ def _launch_step(
         R=cfg.compensators, BP=_pow2(cfg.window), NATIVE=native, USE_QK_L2NORM=l2norm, BETA_SIGMOID=sigmoid,
         RESIDUAL=RESIDUAL_CODES[cfg.residual][0], SMOOTH=cfg.smoothing, READ_PRE=pre, ADVANCE=advance,
     )  # fmt: skip
-    if _tensor_core_step(cfg, launch):
-        shape["BP"] = _pow2(cfg.window, 16)  # a tl.dot operand
-        step_tc_kernel[(n * cfg.heads,)](
-            *args, BV=min(cfg.d_v, launch.step_tc_bv), STAGES=launch.step_tc_stages,
-            num_warps=launch.step_tc_warps, maxnreg=launch.step_tc_maxnreg, **shape,
-        )  # fmt: skip
+    grid = (n * cfg.heads,)
+
+    def step(subset) -> None:
+        if _tensor_core_step(cfg, launch):
+            step_tc_kernel[grid](
+                *args, BV=min(cfg.d_v, launch.step_tc_bv), STAGES=launch.step_tc_stages, SUBSET=subset,
+                num_warps=launch.step_tc_warps, maxnreg=launch.step_tc_maxnreg,
+                **dict(shape, BP=_pow2(cfg.window, 16)),  # a tl.dot operand
+            )  # fmt: skip
+        else:
+            step_kernel[grid](
+                *args, BV=min(cfg.d_v, launch.step_bv), BR=_pow2(cfg.compensators), STAGES=launch.step_stages,
+                FAST_CVT=launch.fast_cvt, SUBSET=subset, num_warps=launch.step_warps, **shape,
+            )  # fmt: skip
+
+    if not split:
+        step(SUBSET_ALL)
+        if close:
+            _launch_close(pool, n, launch)
+    elif pool.device.type != "cuda":  # the interpreter: same launches, one after the other
+        step(SUBSET_CLOSING)
+        _launch_close(pool, n, launch)
+        step(SUBSET_OTHERS)
     else:
-        step_kernel[(n * cfg.heads,)](
-            *args, BV=min(cfg.d_v, launch.step_bv), BR=_pow2(cfg.compensators), STAGES=launch.step_stages,
-            FAST_CVT=launch.fast_cvt, num_warps=launch.step_warps, **shape,
-        )  # fmt: skip
+        main, side = torch.cuda.current_stream(pool.device), pool.side_stream()
+        side.wait_stream(main)
+        if not torch.cuda.is_current_stream_capturing():  # a graph's memory stays its own until freed
+            for x in args:
+                if isinstance(x, torch.Tensor):
+                    x.record_stream(side)  # allocated on the main stream, used on both
+        with torch.cuda.stream(side):
+            step(SUBSET_CLOSING)
+            _launch_close(pool, n, launch)
+        step(SUBSET_OTHERS)
+        main.wait_stream(side)
     return out
 
 
@@ -304,13 +333,10 @@ def leapquant_decode(
     if _use_triton(pool, backend):
         launch = launch or LaunchConfig.tuned(cfg.decay)
         pool.close_list()[1].zero_()
-        out = _launch_step(
+        return _launch_step(
             pool, slots, q, k, v, g, beta, None, A_log, dt_bias, qk_scale,
-            True, use_qk_l2norm, beta_sigmoid, False, launch, boundary,
+            True, use_qk_l2norm, beta_sigmoid, False, launch, boundary, close=boundary,
         )  # fmt: skip
-        if boundary:
-            _launch_close(pool, slots.shape[0], launch)
-        return out
     if A_log is not None:
         g = naive.activate_gate(g, A_log, dt_bias)
     if beta_sigmoid:
@@ -366,8 +392,8 @@ def leapquant_step_records(
             readout == "pre",
             launch,
             True,
+            close=True,
         )
-        _launch_close(pool, slots.shape[0], launch)
         return out
     out = naive.step_ref(pool, slots, g.float(), kw.float(), b.float(), v.float(), q.float(), readout=readout)
     naive.close_ref(pool, slots)

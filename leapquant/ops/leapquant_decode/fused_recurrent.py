@@ -25,7 +25,13 @@ import triton.language as tl
 
 from ..common import native_token, rint, tf32_split
 
-__all__ = ["RESIDUAL_CODES", "step_kernel", "step_tc_kernel"]
+__all__ = ["RESIDUAL_CODES", "SUBSET_ALL", "SUBSET_CLOSING", "SUBSET_OTHERS", "step_kernel", "step_tc_kernel"]
+
+# Which heads a step launch takes: all of them, or one side of a split by the ``closing`` snapshot (heads
+# that fill their window this step, whose close runs on a side stream while the others step).
+SUBSET_ALL = tl.constexpr(0)
+SUBSET_OTHERS = tl.constexpr(1)
+SUBSET_CLOSING = tl.constexpr(2)
 
 # residual format -> (code in the kernels, element max)
 RESIDUAL_CODES = {
@@ -282,6 +288,7 @@ def step_kernel(
     pos,
     close_list,
     close_count,
+    closing,
     qk_scale,
     H: tl.constexpr,
     HV: tl.constexpr,
@@ -299,6 +306,7 @@ def step_kernel(
     SMOOTH: tl.constexpr,
     READ_PRE: tl.constexpr,
     ADVANCE: tl.constexpr,
+    SUBSET: tl.constexpr,
     STAGES: tl.constexpr,
     FAST_CVT: tl.constexpr,
     VECTOR_DECAY: tl.constexpr,
@@ -314,10 +322,16 @@ def step_kernel(
 
     slot = tl.load(slots + i_n).to(tl.int64)
     if slot < 0:  # padding: zero output, no pool access at all
-        for v0 in tl.range(0, V, BV):
-            tl.store(p_o + v0 + o_b, tl.zeros([BV], dtype=tl.float32).to(p_o.dtype.element_ty))
+        if SUBSET != SUBSET_CLOSING:
+            for v0 in tl.range(0, V, BV):
+                tl.store(p_o + v0 + o_b, tl.zeros([BV], dtype=tl.float32).to(p_o.dtype.element_ty))
         return
     i_s = slot * HV + i_hv  # (slot, head) index into every pool tensor
+    # one of two launches over disjoint heads: the snapshot says whose head this is (nested: a constexpr
+    # test must not be and-ed with a tensor one)
+    if SUBSET != SUBSET_ALL:  # noqa: SIM102
+        if (tl.load(closing + i_s) != 0) != (SUBSET == SUBSET_CLOSING):
+            return
     i_pos = tl.load(pos + i_s)
 
     b_q, b_kw, b_b, b_gprev, b_gnow, b_yb, b_yq, b_rb, b_rq = _token_reads(
@@ -422,15 +436,15 @@ def step_kernel(
 @triton.jit(do_not_specialize=["qk_scale"])
 def step_tc_kernel(
     q, k, v, g, beta, b_read, A_log, dt_bias, o, slots, payload, scale_v, smooth, comp_k, comp_u, rec_g,
-    rec_k, rec_u, pos, close_list, close_count, qk_scale,
+    rec_k, rec_u, pos, close_list, close_count, closing, qk_scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, P: tl.constexpr, R: tl.constexpr,
     BV: tl.constexpr, BP: tl.constexpr, NATIVE: tl.constexpr, USE_QK_L2NORM: tl.constexpr,
     BETA_SIGMOID: tl.constexpr, RESIDUAL: tl.constexpr, SMOOTH: tl.constexpr, READ_PRE: tl.constexpr,
-    ADVANCE: tl.constexpr, STAGES: tl.constexpr, VECTOR_DECAY: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-    GATE_IN_KERNEL: tl.constexpr,
+    ADVANCE: tl.constexpr, SUBSET: tl.constexpr, STAGES: tl.constexpr, VECTOR_DECAY: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr, GATE_IN_KERNEL: tl.constexpr,
 ):  # fmt: skip
-    """The step on tensor cores, one program per head, the whole ``[V, K]`` residual at once (integer
-    residuals, fp16 records; same inputs, outputs and pool updates as ``step_kernel``).
+    """The step on tensor cores, one program (one warp) per head walking the value rows in chunks of
+    ``BV`` (integer residuals, fp16 records; same inputs, outputs and pool updates as ``step_kernel``).
 
     Two products give both reads (delta read and output) of all value rows:
 
@@ -440,7 +454,9 @@ def step_tc_kernel(
       ``[V, 16]``, ``R`` tokens) times the fp16 pieces of their weights (``_piece_columns``): exact
       products, fp32 sums.
 
-    What is left per element is loading it; the per-row work is a 16-column weighted sum.
+    What is left per element is loading it; the per-row work is a 16-column weighted sum.  One warp, not
+    four: a head's per-token work (its vectors, the ``[P, K]`` record tiles) would be replicated by more
+    warps, not shared.
     """
     i_nh = tl.program_id(0)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -451,10 +467,16 @@ def step_tc_kernel(
 
     slot = tl.load(slots + i_n).to(tl.int64)
     if slot < 0:  # padding: zero output, no pool access at all
-        for v0 in tl.range(0, V, BV):
-            tl.store(p_o + v0 + o_b, tl.zeros([BV], dtype=tl.float32).to(p_o.dtype.element_ty))
+        if SUBSET != SUBSET_CLOSING:
+            for v0 in tl.range(0, V, BV):
+                tl.store(p_o + v0 + o_b, tl.zeros([BV], dtype=tl.float32).to(p_o.dtype.element_ty))
         return
     i_s = slot * HV + i_hv
+    # one of two launches over disjoint heads: the snapshot says whose head this is (nested: a constexpr
+    # test must not be and-ed with a tensor one)
+    if SUBSET != SUBSET_ALL:  # noqa: SIM102
+        if (tl.load(closing + i_s) != 0) != (SUBSET == SUBSET_CLOSING):
+            return
     i_pos = tl.load(pos + i_s)
     b_q, b_kw, b_b, b_gprev, b_gnow, b_yb, b_yq, b_rb, b_rq = _token_reads(
         q, k, g, beta, b_read, A_log, dt_bias, smooth, rec_g, qk_scale, i_n, i_h, i_nh, i_hv, i_s, i_pos,
