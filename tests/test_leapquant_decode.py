@@ -380,7 +380,9 @@ def test_tensor_core_step_matches_cuda_core_step(family, residual, window, rank,
         }
         real = slots >= 0
         assert torch.equal(outs["tc"][~real], torch.zeros_like(outs["tc"][~real]))
-        assert rel(outs["tc"][real], outs["cc"][real]) < 1e-5, t
+        # fp32-level: both round each product near 1e-7, and cancellation over K keys and the records
+        # leaves ~1e-5 of the output's norm (seen on the H200: 1.1e-5 for KDA); quantization is ~1e-2
+        assert rel(outs["tc"][real], outs["cc"][real]) < 5e-5, t
         assert pools["tc"].pos.tolist() == pools["cc"].pos.tolist()
         for name in ("rec_u", "rec_k", "rec_g"):
             assert rel(pools["tc"].tensors[name].float(), pools["cc"].tensors[name].float()) < 1e-3, name
