@@ -11,9 +11,9 @@ sections="--section SpeedOfLight --section Occupancy --section LaunchStats --sec
 --section SchedulerStats --section InstructionStats --section MemoryWorkloadAnalysis"
 for family in ${FAMILY:-gdn}; do
   log="$out/ncu-$family.txt"
-  # skip warm-up launches; profile one step kernel and one close kernel of the same step
+  # skip warm-up launches; profile one step: the closing heads' step, their close, the other heads' step
   timeout "${PROFILE_SECONDS:-120}" ncu --clock-control none $sections \
-      --kernel-name regex:"step_kernel|close" --launch-skip "${SKIP:-40}" --launch-count 2 \
+      --kernel-name regex:"step_.*kernel|close" --launch-skip "${SKIP:-60}" --launch-count 3 \
       python3 -m leapquant bench kernel --family "$family" --n "${N:-512}" -v leapquant-int8 ${CLOSE_ARGS:-} \
       --no-graph > "$log" 2>&1
   echo "== $family: $(grep -c 'Section: ' "$log") sections in $log"
