@@ -64,9 +64,9 @@ class LaunchConfig:
     step_stages: int = 2
     fast_cvt: bool = True
     step_mma: bool = True
-    step_tc_bv: int = 32
+    step_tc_bv: int = 64
     step_tc_warps: int = 1
-    step_tc_stages: int = 3
+    step_tc_stages: int = 2
     step_tc_maxnreg: int | None = None
     close_bv: int = 32
     close_warps: int = 4
