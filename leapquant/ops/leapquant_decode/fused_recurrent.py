@@ -1,17 +1,20 @@
-"""Triton step kernel of the LeapQuant decode (GDN and KDA) on a :class:`~leapquant.ops.pool.LeapQuantPool`,
+"""Triton step kernels of the LeapQuant decode (GDN and KDA) on a :class:`~leapquant.ops.pool.LeapQuantPool`,
 and the row helpers the window-close kernels share.
 
-One decode step is two launches (plus a 4-byte memset):
+One decode step is a step launch and a close launch (``_launch_step`` in ``__init__.py``):
 
-1. ``step_kernel`` (grid ``N*HV``, one program per head): computes the token's read vectors once, the
+1. a step kernel (grid ``N*HV``, one program per head) computes the token's read vectors once, the
    compensator and record weights once (``[R, K]`` and ``[P, K]`` tiles), then walks the value rows in
    chunks of ``BV``: each chunk of the fixed boundary residual is read once for both the delta read and the
    output read (paper eq. 10).  It writes the output and the new record ``(g_i, k_i, u_i)``, advances the
-   window position, and appends heads that complete a window to a list.
+   window position, and appends heads that complete a window to a list.  ``step_tc_kernel`` does it on
+   tensor cores for integer residuals with fp16 records (the codes are a product operand as they are
+   stored); ``step_kernel`` on CUDA cores for every format.
 2. ``close_kernel`` (``close.py``) walks that list: for each head it reconstructs the
    state from the boundary and the ``P`` records, refits the compensator tokens by power iteration
    warm-started from the previous ones, recomputes the smoothing and per-value-channel scales, and writes
-   the new quantized boundary.  Only heads that close a window cost anything.
+   the new quantized boundary.  Only heads that close a window cost anything.  With ``overlap_close`` the
+   heads that close step and close on a side stream beside the others (``SUBSET_*``).
 
 The kernels are not autotuned: they update the pool in place, and an autotuner would replay them on the same
 pool while timing (mamba_ssm's ``selective_state_update`` makes the same choice; see ``LaunchConfig``).
