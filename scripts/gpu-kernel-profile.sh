@@ -4,12 +4,27 @@
 # (issue slots, stall reasons, occupancy) instead of inferred from timings. Eager launches (--no-graph);
 # ncu replays each profiled kernel and restores the memory it writes, so the in-place update is profiled.
 #   FAMILY="gdn kda" N=512 CLOSE_ARGS="--close-programs 2" scripts/gpu-kernel-profile.sh
+# SOURCE=1: instead, warp stall samples per source line of the window close (one launch), summarized by
+# scripts/ncu_source_summary.py into $out/ncu-source-$family.md.
 set -uo pipefail
 out=${OUT:-out}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 sections="--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
 --section SchedulerStats --section InstructionStats --section MemoryWorkloadAnalysis"
 for family in ${FAMILY:-gdn}; do
+  if [ -n "${SOURCE:-}" ]; then
+    timeout "${PROFILE_SECONDS:-200}" ncu --clock-control none --import-source yes --section SourceCounters \
+        --section WarpStateStats --section InstructionStats --section LaunchStats --section SpeedOfLight \
+        --kernel-name regex:close_kernel --launch-skip 20 --launch-count 1 -o "$out/close-$family" \
+        python3 -m leapquant bench kernel --family "$family" --n "${N:-512}" -v leapquant-int8 ${CLOSE_ARGS:-} \
+        --no-graph > "$out/ncu-source-run-$family.log" 2>&1
+    ncu -i "$out/close-$family.ncu-rep" --page details > "$out/ncu-close-$family.txt" 2>&1
+    ncu -i "$out/close-$family.ncu-rep" --page source --csv --print-source cuda,sass > "$out/close-$family.csv"
+    python3 scripts/ncu_source_summary.py "$out/close-$family.csv" > "$out/ncu-source-$family.md"
+    rm -f "$out/close-$family.csv"; grep -E "Duration|Executed Instructions  " "$out/ncu-close-$family.txt"
+    head -40 "$out/ncu-source-$family.md"
+    continue
+  fi
   log="$out/ncu-$family.txt"
   # skip warm-up launches; profile one step: the closing heads' step, their close, the other heads' step
   timeout "${PROFILE_SECONDS:-120}" ncu --clock-control none $sections \
