@@ -5,7 +5,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["bf16_grid", "e4m3_grid", "native_token", "rint", "tf32_split"]
+__all__ = ["bf16_grid", "divide_by_reciprocal", "e4m3_grid", "native_token", "rint", "tf32_split"]
 
 
 @triton.jit
@@ -20,6 +20,21 @@ def tf32_split(x):
     halves against an exact operand give fp32-level accuracy."""
     hi = (x.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
     return hi, x - hi
+
+
+@triton.jit
+def divide_by_reciprocal(a, b, y):
+    """``a / b`` correctly rounded, from ``y = div_rn(1, b)``, in one multiply and four FMAs.
+
+    ``q = a y`` is within 1.5 ulp of ``a / b``; one Newton correction ``q + (a - b q) y`` brings it within
+    one ulp, and a second is then the correctly rounded quotient (Markstein's theorem: ``y`` correctly
+    rounded, ``q`` within one ulp, the remainder exact by the FMA).  Valid while ``a``, ``b``, the quotient
+    and the remainders stay normal: callers check the range and fall back to ``div_rn``, which costs a
+    reciprocal on the multifunction unit and a branch to a slow path per element.
+    """
+    q = a * y
+    q = tl.fma(tl.fma(-q, b, a), y, q)
+    return tl.fma(tl.fma(-q, b, a), y, q)
 
 
 @triton.jit

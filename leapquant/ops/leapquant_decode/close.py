@@ -28,13 +28,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..common import bf16_grid, e4m3_grid, rint
+from ..common import bf16_grid, divide_by_reciprocal, e4m3_grid, rint
 from .fused_recurrent import _residual_rows
 
 __all__ = ["MODE_LOAD", "MODE_MATERIALIZE", "boundary_kernel", "close_kernel"]
 
 MODE_LOAD = tl.constexpr(1)  # tl.constexpr: a jit function may read it as a global
 MODE_MATERIALIZE = tl.constexpr(2)
+FAST_MIN = tl.constexpr(2.0**-60)  # row scales where dividing by a reciprocal is exact (``_store_rows``)
+FAST_MAX = tl.constexpr(2.0**60)
+FAST_C_MIN = tl.constexpr(2.0**-30)  # and column (smoothing) scales
 
 
 @triton.jit
@@ -65,31 +68,59 @@ def _orthonormalize_rows(b_z, o_r, R: tl.constexpr):
 
 
 @triton.jit
-def _store_rows(b_rows, payload, scale_v, i_s, o_v, qmax, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-                RESIDUAL: tl.constexpr):  # fmt: skip
-    """Quantize value rows ``o_v`` of a (smoothed) residual into the pool's payload and scales.
+def _exact_scales(b_x, qmax):
+    """Per-value-channel scales of ``[BV, K]`` rows, ``max |row| / qmax`` (``qmax`` a runtime value: a
+    constant divisor gets folded into a reciprocal multiply, not the correctly rounded quotient the formats
+    and the tests define), 1 for zero rows; and whether all of them lie in the range where dividing by a
+    reciprocal (``divide_by_reciprocal``) gives the codes ``div_rn`` gives."""
+    b_scale = tl.math.div_rn(tl.max(tl.abs(b_x), 1), qmax)
+    b_fast = (b_scale == 0.0) | ((b_scale >= FAST_MIN) & (b_scale <= FAST_MAX))  # NaN, Inf: False
+    return tl.where(b_scale == 0.0, 1.0, b_scale), tl.min(b_fast.to(tl.int32)) > 0
 
-    Per-value-channel symmetric scales reduce along the keys of each row.  ``qmax`` is a runtime value: a
-    constant divisor gets folded into a reciprocal multiply, which is not the correctly rounded quotient the
-    formats (and the tests) define.
+
+@triton.jit
+def _store_rows(b_rows, b_c, b_rc, c_fast, payload, scale_v, i_s, o_v, qmax, K: tl.constexpr, V: tl.constexpr,
+                BV: tl.constexpr, RESIDUAL: tl.constexpr, SMOOTH: tl.constexpr):  # fmt: skip
+    """Smooth (divide by ``b_c``, ``b_rc = 1 / b_c``) and quantize value rows ``o_v`` of a residual into
+    the pool's payload and scales; per-value-channel symmetric scales reduce along the keys of each row.
+
+    Both divisions go through the reciprocals where that is exact for the codes: the column scales in
+    ``[2^-30, 2^60]`` (``c_fast``, once per head) and every row's scale in ``[2^-60, 2^60]`` (once per chunk).
+    Then every element whose code can be non-zero (quotient >= 2^-10, the smallest e4m3 midpoint) has a
+    normal dividend >= 2^-100, so its quotients are correctly rounded, the row maxima included; the rest
+    stay below 2^-10 and round to zero either way.  Otherwise (tiny or huge or non-finite rows) the chunk
+    is divided again with ``div_rn``.
     """
     o_k = tl.arange(0, K)
-    if RESIDUAL == 0:
-        tl.store(payload + i_s * V * K + o_v[:, None] * K + o_k[None, :], b_rows)
-    elif RESIDUAL == 1:
-        tl.store(payload + i_s * V * K + o_v[:, None] * K + o_k[None, :], bf16_grid(b_rows).to(tl.bfloat16))
+    p_rows = payload + i_s * V * K + o_v[:, None] * K + o_k[None, :]
+    if RESIDUAL < 2:  # the smoothed values are stored as they are: every one must be correctly rounded
+        if SMOOTH:
+            b_rows = tl.math.div_rn(b_rows, b_c[None, :])
+        if RESIDUAL == 0:
+            tl.store(p_rows, b_rows)
+        else:
+            tl.store(p_rows, bf16_grid(b_rows).to(tl.bfloat16))
     else:
-        b_scale = tl.math.div_rn(tl.max(tl.abs(b_rows), 1), qmax)
-        b_scale = tl.where(b_scale == 0.0, 1.0, b_scale)
+        b_xs = b_rows
+        if SMOOTH:
+            b_xs = divide_by_reciprocal(b_rows, b_c[None, :], b_rc[None, :])
+        b_scale, fast = _exact_scales(b_xs, qmax)
+        if fast & c_fast:
+            b_rcp = tl.math.div_rn(tl.full([BV], 1.0, tl.float32), b_scale)
+            b_x = divide_by_reciprocal(b_xs, b_scale[:, None], b_rcp[:, None])
+        else:
+            if SMOOTH:
+                b_xs = tl.math.div_rn(b_rows, b_c[None, :])
+            b_scale, fast = _exact_scales(b_xs, qmax)
+            b_x = tl.math.div_rn(b_xs, b_scale[:, None])
         tl.store(scale_v + i_s * V + o_v, b_scale)
-        b_x = tl.math.div_rn(b_rows, b_scale[:, None])
         if RESIDUAL == 3:
             b_x = e4m3_grid(tl.minimum(tl.maximum(b_x, -qmax), qmax))
-            tl.store(payload + i_s * V * K + o_v[:, None] * K + o_k[None, :], b_x.to(tl.float8e4nv))
+            tl.store(p_rows, b_x.to(tl.float8e4nv))
         else:
             b_x = tl.minimum(tl.maximum(rint(b_x), -qmax), qmax).to(tl.int32)
             if RESIDUAL == 2:
-                tl.store(payload + i_s * V * K + o_v[:, None] * K + o_k[None, :], b_x.to(tl.int8))
+                tl.store(p_rows, b_x.to(tl.int8))
             else:
                 b_lo, b_hi = tl.split(tl.reshape(b_x, (BV, K // 2, 2)))
                 b_byte = ((b_lo & 0xF) | ((b_hi & 0xF) << 4)).to(tl.uint8)
@@ -262,6 +293,8 @@ def _requantize(
     mask_r = o_r < R
     b_qk = tl.zeros([BR, K], dtype=tl.float32)
     b_c = tl.zeros([K], dtype=tl.float32)
+    b_rc = b_c
+    c_fast = tl.full([], 1, tl.int1)  # no smoothing: no column division
     if R > 0:
         b_usable = _usable(i_s, comp_u, WARM, V, R, BV, BR)
         b_z = tl.zeros([BR, K], dtype=tl.float32)
@@ -302,6 +335,8 @@ def _requantize(
                 b_rows = _minus_tokens(b_rows, b_qk, o_r, o_v, i_s, comp_u, R, V, False)
             b_csum += tl.sum(tl.abs(b_rows), 0)
         b_c = tl.maximum(tl.sqrt(b_csum / V), smooth_floor)
+        b_rc = tl.math.div_rn(tl.full([K], 1.0, tl.float32), b_c)
+        c_fast = (tl.min(b_c) >= FAST_C_MIN) & (tl.max(b_c) <= FAST_MAX)
     for v0 in tl.range(0, V, BV):
         o_v = v0 + o_b
         b_rows = _rows(
@@ -310,9 +345,7 @@ def _requantize(
         )  # fmt: skip
         if R > 0:
             b_rows = _minus_tokens(b_rows, b_qk, o_r, o_v, i_s, comp_u, R, V, True)
-        if SMOOTH:
-            b_rows = tl.math.div_rn(b_rows, b_c[None, :])
-        _store_rows(b_rows, payload, scale_v, i_s, o_v, qmax, K, V, BV, RESIDUAL)
+        _store_rows(b_rows, b_c, b_rc, c_fast, payload, scale_v, i_s, o_v, qmax, K, V, BV, RESIDUAL, SMOOTH)
     tl.debug_barrier()  # every chunk has been rebuilt with the old token keys
     if R > 0:
         p_ck = comp_k + (i_s * R + o_r[:, None]) * K + o_k[None, :]
