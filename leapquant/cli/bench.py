@@ -61,11 +61,6 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     k.add_argument(
         "--no-overlap-close", action="store_true", help="launch: step, then close (no side stream)"
     )
-    k.add_argument(
-        "--close-token-product",
-        action="store_true",
-        help="launch: the close rebuilds the tokens inside the records' tensor-core product",
-    )
     k.add_argument("--close-bv", type=int, default=None, help="launch: value rows per close chunk")
     k.add_argument("--close-warps", type=int, default=None, help="launch: warps per close program")
     k.add_argument("--close-programs", type=int, default=None, help="launch: close programs per SM")
@@ -222,7 +217,6 @@ def run_kernel(args: argparse.Namespace) -> int:
         "step_tc_maxnreg": args.step_tc_maxnreg,
         "step_mma": False if args.cuda_core_step else None,
         "overlap_close": False if args.no_overlap_close else None,
-        "close_token_product": True if args.close_token_product else None,
         "close_bv": args.close_bv,
         "close_warps": args.close_warps,
         "close_programs_per_sm": args.close_programs,
@@ -309,8 +303,7 @@ def run_kernel(args: argparse.Namespace) -> int:
 
 # Launch shapes tried by --tune: (value rows per chunk, warps, pipeline stages, register cap) of the
 # tensor-core step kernel, (value rows per chunk, warps, pipeline stages, fast int8 conversion) of the
-# CUDA-core one, then (value rows per chunk, warps, programs per SM, register cap, tokens in the records'
-# product) of the window close.
+# CUDA-core one, then (value rows per chunk, warps, programs per SM, register cap) of the window close.
 TC_STEP_SHAPES = (
     (16, 1, 3, None),
     (32, 1, 2, None),
@@ -333,11 +326,11 @@ STEP_SHAPES = (
     (64, 8, 2, True),
 )
 CLOSE_SHAPES = (
-    (32, 4, 4, 128, False),
-    (32, 4, 4, 128, True),
-    (32, 4, 3, 168, True),
-    (32, 4, 3, 168, False),
-    (32, 4, 2, None, True),
+    (32, 4, 1, 128),
+    (32, 4, 2, 128),
+    (32, 4, 2, None),
+    (32, 4, 3, 168),
+    (32, 4, 4, 128),
 )
 
 
@@ -358,11 +351,10 @@ def _tune(case, launch, measure, report, con, *, step: bool = True, close: bool 
             best, best_ms = shape, row["ms"]
         con.print(f"tune {case.family} step {shape}: {row.get('ms', float('nan')) * 1e3:.1f} us")
     chosen, best_ms = best, float("inf")
-    for bv, warps, programs, maxnreg, product in CLOSE_SHAPES if close else ():
+    for bv, warps, programs, maxnreg in CLOSE_SHAPES if close else ():
         shape = replace(
-            best, close_bv=bv, close_warps=warps, close_programs_per_sm=programs, close_maxnreg=maxnreg,
-            close_token_product=product,
-        )  # fmt: skip
+            best, close_bv=bv, close_warps=warps, close_programs_per_sm=programs, close_maxnreg=maxnreg
+        )
         row = measure("leapquant-int8", case, shape)
         report["tuning"].append(row)
         if "error" not in row and row["ms"] < best_ms:

@@ -57,10 +57,6 @@ class LaunchConfig:
             do not close (``_launch_step``); False: step, then close.
         close_maxnreg: register cap per thread of the close (``None``: the compiler's choice); a lower cap
             lets more close programs share a multiprocessor, at the price of a few spills.
-        close_token_product: the close rebuilds the compensator tokens' part of the state inside the records'
-            tensor-core product (its inner dimension widened from ``P`` to ``P + R``, rounded up to a power
-            of two) instead of as ``R`` rank-one updates per chunk.  Where ``P`` rounded up already has room
-            (``p=8, r<=8``) the tokens ride in the product either way.
     """
 
     step_bv: int = 32
@@ -77,7 +73,6 @@ class LaunchConfig:
     close_programs_per_sm: int = 4
     overlap_close: bool = True
     close_maxnreg: int | None = 128
-    close_token_product: bool = False
 
     @classmethod
     def tuned(cls, decay: str) -> LaunchConfig:
@@ -259,8 +254,7 @@ def _close_args(pool: LeapQuantPool) -> tuple[tuple, dict]:
 
 def _close_shape(pool: LeapQuantPool, launch: LaunchConfig) -> dict:
     cfg = pool.config
-    inner = cfg.window + (cfg.compensators if launch.close_token_product else 0)
-    return dict(BV=min(cfg.d_v, launch.close_bv), BR=_pow2(cfg.compensators), BP=_pow2(inner, 16),
+    return dict(BV=min(cfg.d_v, launch.close_bv), BR=_pow2(cfg.compensators), BP=_pow2(cfg.window, 16),
                 REC16=cfg.records == "fp16", num_warps=launch.close_warps)  # fmt: skip
 
 

@@ -160,8 +160,8 @@ def _tf32_split(x):
 
 @triton.jit
 def _window_factors(
-    i_s, count, smooth, rec_g, rec_k, comp_k, K: tl.constexpr, P: tl.constexpr, R: tl.constexpr,
-    BP: tl.constexpr, SMOOTH: tl.constexpr, VECTOR_DECAY: tl.constexpr, REC16: tl.constexpr,
+    i_s, count, smooth, rec_g, rec_k, K: tl.constexpr, P: tl.constexpr, BP: tl.constexpr,
+    SMOOTH: tl.constexpr, VECTOR_DECAY: tl.constexpr, REC16: tl.constexpr,
 ):  # fmt: skip
     """The head's factors of the state after ``count`` records (loop invariants of every pass):
 
@@ -170,32 +170,23 @@ def _window_factors(
       per record, so it goes into ``w`` and the keys stay the stored fp16 ones (exact in tf32: ``keys_hi``
       is the key and ``keys_lo`` unused); KDA's decays act on key channels, so its keys carry them, split
       as ``k_j = keys_hi + keys_lo`` (fp32 records: ``keys_hi`` unsplit).  Zero rows beyond ``count``.
-    * With room in the product (``BP >= P + R``: ``LaunchConfig.close_token_product`` makes it), rows
-      ``P .. P + R - 1`` are the compensator tokens, in the same way: fp16 keys decayed by ``end``, so
-      GDN's scalar ``end`` goes into ``w`` and KDA's per-channel one into the split keys.  The tokens are
-      then rebuilt by the tensor cores with the records instead of as ``R`` rank-one updates per chunk.
     """
     o_k = tl.arange(0, K)
     o_p = tl.arange(0, BP)
     mask_p = o_p < count
     b_keys = tl.load(rec_k + (i_s * P + o_p[:, None]) * K + o_k[None, :], mask=mask_p[:, None], other=0)
     b_keys = b_keys.to(tl.float32)
-    TOKENS: tl.constexpr = BP >= P + R
-    mask_t = (o_p >= P) & (o_p < P + R) & TOKENS
-    b_tok = tl.load(comp_k + (i_s * R + o_p[:, None] - P) * K + o_k[None, :], mask=mask_t[:, None], other=0)
     if VECTOR_DECAY:
         b_gend = tl.load(rec_g + (i_s * P + count - 1) * K + o_k, mask=(o_k * 0 + count) > 0, other=0.0)
         b_gj = tl.load(rec_g + (i_s * P + o_p[:, None]) * K + o_k[None, :], mask=mask_p[:, None], other=0.0)
-        b_end = tl.exp(b_gend)
         b_keys = tl.where(mask_p[:, None], b_keys * tl.exp(b_gend[None, :] - b_gj), 0.0)
-        b_keys += b_tok.to(tl.float32) * b_end[None, :]
-        b_w = tl.where(mask_p | mask_t, 1.0, 0.0)
+        b_end = tl.exp(b_gend)
+        b_w = tl.where(mask_p, 1.0, 0.0)
     else:
         b_gend = tl.load(rec_g + i_s * P + count - 1, mask=count > 0, other=0.0)
         b_gj = tl.load(rec_g + i_s * P + o_p, mask=mask_p, other=0.0)
         b_end = tl.exp(b_gend) + tl.zeros([K], dtype=tl.float32)
-        b_keys += b_tok.to(tl.float32)
-        b_w = tl.where(mask_p, tl.exp(b_gend - b_gj), tl.where(mask_t, tl.exp(b_gend), 0.0))
+        b_w = tl.where(mask_p, tl.exp(b_gend - b_gj), 0.0)
     if VECTOR_DECAY and REC16:
         b_khi, b_klo = _tf32_split(b_keys)
     else:
@@ -240,18 +231,13 @@ def _rows(
         if RESIDUAL >= 2:
             b_s = b_s * tl.load(scale_v + i_s * V + o_v)[:, None]
         b_s = b_s * b_col[None, :]
+        for r in range(R):  # tokens: R rank-one updates (identity decay, before the first record)
+            b_tk = tl.load(comp_k + (i_s * R + r) * K + o_k).to(tl.float32) * b_end
+            b_tu = tl.load(comp_u + (i_s * R + r) * V + o_v).to(tl.float32)
+            b_s += b_tu[:, None] * b_tk[None, :]
         o_p = tl.arange(0, BP)
         p_vals = rec_u + (i_s * P + o_p[:, None]) * V + o_v[None, :]
-        b_vals = tl.load(p_vals, mask=(o_p < count)[:, None], other=0).to(tl.float32)
-        if BP >= P + R:  # the tokens' values are rows P .. P + R - 1 of the product (_window_factors)
-            mask_t = (o_p >= P) & (o_p < P + R)
-            p_tok = comp_u + (i_s * R + o_p[:, None] - P) * V + o_v[None, :]
-            b_vals += tl.load(p_tok, mask=mask_t[:, None], other=0).to(tl.float32)
-        else:
-            for r in range(R):  # tokens: R rank-one updates (identity decay, before the first record)
-                b_tk = tl.load(comp_k + (i_s * R + r) * K + o_k).to(tl.float32) * b_end
-                b_tu = tl.load(comp_u + (i_s * R + r) * V + o_v).to(tl.float32)
-                b_s += b_tu[:, None] * b_tk[None, :]
+        b_vals = tl.load(p_vals, mask=(o_p < count)[:, None], other=0)
         return b_s + _records_term(b_vals, b_w, b_khi, b_klo, VECTOR_DECAY, REC16)
 
 
@@ -377,15 +363,14 @@ def close_kernel(
     VECTOR_DECAY: tl.constexpr, REC16: tl.constexpr,
 ):  # fmt: skip
     """Persistent: program ``pid`` closes list entries ``pid, pid + grid, ...`` (heads that just filled their
-    window; ``BR``: ``R`` rounded up to a power of two; ``BP``: ``P``, or ``P + R`` to carry the tokens in
-    the records' product, rounded up, at least 16)."""
+    window; ``BR``: ``R`` rounded up to a power of two; ``BP``: ``P`` rounded up, at least 16)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     count = tl.load(close_count)
     for idx in range(pid, count, nprog):
         i_s = tl.load(close_list + idx).to(tl.int64)
         b_end, b_col, b_w, b_khi, b_klo = _window_factors(
-            i_s, P, smooth, rec_g, rec_k, comp_k, K, P, R, BP, SMOOTH, VECTOR_DECAY, REC16
+            i_s, P, smooth, rec_g, rec_k, K, P, BP, SMOOTH, VECTOR_DECAY, REC16
         )
         _requantize(
             i_s, payload, b_end, b_col, b_w, b_khi, b_klo, P, payload, scale_v, smooth, comp_k, comp_u, rec_u,
@@ -429,7 +414,7 @@ def boundary_kernel(
     else:
         count = tl.load(pos + i_s)
         b_end, b_col, b_w, b_khi, b_klo = _window_factors(
-            i_s, count, smooth, rec_g, rec_k, comp_k, K, P, R, BP, SMOOTH, VECTOR_DECAY, REC16
+            i_s, count, smooth, rec_g, rec_k, K, P, BP, SMOOTH, VECTOR_DECAY, REC16
         )
         for v0 in tl.range(0, V, BV):
             o_v = v0 + o_b
