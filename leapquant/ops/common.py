@@ -52,13 +52,15 @@ def e4m3_grid(x):
 
     Scaled onto the grid by multiplying with the exact power of two ``1 / step``: on the GPU ``x / step``
     compiles to an approximate division (up to 2 ulp), which can move a value across a rounding boundary.
+    The sign is copied back from ``x``: :func:`rint` rounds small negatives to +0, the format to -0.
     """
     bits = x.to(tl.uint32, bitcast=True)
     exponent = ((bits >> 23) & 0xFF).to(tl.int32) - 127
     exponent = tl.maximum(exponent, -6) - 3  # grid step 2^(e-3); subnormals share 2^-9
     step = ((exponent + 127) << 23).to(tl.float32, bitcast=True)
     inv_step = ((127 - exponent) << 23).to(tl.float32, bitcast=True)
-    return tl.minimum(tl.maximum(rint(x * inv_step) * step, -448.0), 448.0)
+    y = tl.minimum(tl.maximum(rint(x * inv_step) * step, -448.0), 448.0)
+    return (y.to(tl.uint32, bitcast=True) | (bits & 0x80000000)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
