@@ -321,26 +321,21 @@ def test_gate_and_beta_activation_in_the_kernel(family):
 
 
 @pytest.mark.parametrize(
-    ("family", "residual", "rank", "smooth", "iters", "scale", "token_mma"),
+    ("family", "residual", "rank", "smooth", "iters", "scale"),
     [
-        pytest.param("gdn", "int8", 4, True, 1, 1.0, False, id="gdn-int8-r4-smooth"),
-        pytest.param("gdn", "int8", 4, True, 1, 1.0, True, id="gdn-int8-r4-smooth-token-mma"),
-        pytest.param("kda", "int4", 8, True, 1, 1.0, False, id="kda-int4-r8-smooth"),
-        pytest.param("kda", "int4", 8, True, 1, 1.0, True, id="kda-int4-r8-smooth-token-mma"),
-        pytest.param("gdn", "int8", 0, False, 1, 1.0, False, id="gdn-int8-r0"),
-        pytest.param("kda", "fp8-e4m3", 2, False, 1, 1.0, False, id="kda-fp8-r2"),
-        pytest.param("kda", "fp8-e4m3", 2, False, 1, 1.0, True, id="kda-fp8-r2-token-mma"),
-        pytest.param("gdn", "int8", 3, True, 3, 1.0, False, id="gdn-int8-r3-smooth-3iters"),
-        pytest.param("gdn", "int8", 3, True, 3, 1.0, True, id="gdn-int8-r3-smooth-3iters-token-mma"),
+        pytest.param("gdn", "int8", 4, True, 1, 1.0, id="gdn-int8-r4-smooth"),
+        pytest.param("kda", "int4", 8, True, 1, 1.0, id="kda-int4-r8-smooth"),
+        pytest.param("gdn", "int8", 0, False, 1, 1.0, id="gdn-int8-r0"),
+        pytest.param("kda", "fp8-e4m3", 2, False, 1, 1.0, id="kda-fp8-r2"),
+        pytest.param("gdn", "int8", 3, True, 3, 1.0, id="gdn-int8-r3-smooth-3iters"),
         # zero states load zero tokens: the first close starts its fit from the hashed +-1 vectors
-        pytest.param("kda", "int8", 4, True, 1, 0.0, False, id="kda-int8-r4-from-zero"),
+        pytest.param("kda", "int8", 4, True, 1, 0.0, id="kda-int8-r4-from-zero"),
     ],
 )
-def test_close_matches_reference_across_fit_options(family, residual, rank, smooth, iters, scale, token_mma):
+def test_close_matches_reference_across_fit_options(family, residual, rank, smooth, iters, scale):
     """The chunked close in several row chunks (``close_bv=16``: a pass walks more than one chunk, so rows are
     rebuilt, tokens subtracted and token values stored chunk by chunk) computes the reference's windows:
-    warm-started power iterations, cold zero states, no tokens, 8 tokens, fp8 and int4 residuals; with
-    ``token_mma`` the token values and subtraction as tensor-core products (tokens padded to 16)."""
+    warm-started power iterations, cold zero states, no tokens, 8 tokens, fp8 and int4 residuals."""
     from leapquant.ops.leapquant_decode import LaunchConfig
 
     gen = torch.Generator(device=DEVICE).manual_seed(rank)
@@ -356,7 +351,7 @@ def test_close_matches_reference_across_fit_options(family, residual, rank, smoo
         load_states(pool, slots, s0, backend=backend)
     if scale == 0.0:
         assert not pools[0].tensors["comp_u"].any()
-    launch = LaunchConfig(close_bv=16, close_token_mma=token_mma)
+    launch = LaunchConfig(close_bv=16)
     diff = quant = 0.0
     for _ in range(9):  # two window closes
         x = tokens(family, 3, 1, 2, gen)

@@ -66,9 +66,6 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     k.add_argument("--close-programs", type=int, default=None, help="launch: close programs per SM")
     k.add_argument("--close-maxnreg", type=int, default=None, help="launch: close register cap per thread")
     k.add_argument(
-        "--close-token-mma", action="store_true", help="launch: the close's token values on tensor cores"
-    )
-    k.add_argument(
         "--tune",
         nargs="?",
         const="all",
@@ -224,7 +221,6 @@ def run_kernel(args: argparse.Namespace) -> int:
         "close_warps": args.close_warps,
         "close_programs_per_sm": args.close_programs,
         "close_maxnreg": args.close_maxnreg,
-        "close_token_mma": True if args.close_token_mma else None,
     }
     overrides = {k: v for k, v in overrides.items() if v is not None}
     copy_gbps = copy_bandwidth()
@@ -307,8 +303,7 @@ def run_kernel(args: argparse.Namespace) -> int:
 
 # Launch shapes tried by --tune: (value rows per chunk, warps, pipeline stages, register cap) of the
 # tensor-core step kernel, (value rows per chunk, warps, pipeline stages, fast int8 conversion) of the
-# CUDA-core one, then (value rows per chunk, warps, programs per SM, register cap, token values on tensor
-# cores) of the window close.
+# CUDA-core one, then (value rows per chunk, warps, programs per SM, register cap) of the window close.
 TC_STEP_SHAPES = (
     (16, 1, 3, None),
     (32, 1, 2, None),
@@ -331,13 +326,11 @@ STEP_SHAPES = (
     (64, 8, 2, True),
 )
 CLOSE_SHAPES = (
-    (32, 4, 1, 128, False),
-    (32, 4, 2, 128, False),
-    (32, 4, 2, None, False),
-    (32, 4, 3, 168, False),
-    (32, 4, 4, 128, False),
-    (32, 4, 4, 128, True),
-    (32, 4, 3, 168, True),
+    (32, 4, 1, 128),
+    (32, 4, 2, 128),
+    (32, 4, 2, None),
+    (32, 4, 3, 168),
+    (32, 4, 4, 128),
 )
 
 
@@ -358,9 +351,10 @@ def _tune(case, launch, measure, report, con, *, step: bool = True, close: bool 
             best, best_ms = shape, row["ms"]
         con.print(f"tune {case.family} step {shape}: {row.get('ms', float('nan')) * 1e3:.1f} us")
     chosen, best_ms = best, float("inf")
-    for bv, warps, programs, maxnreg, token_mma in CLOSE_SHAPES if close else ():
-        shape = replace(best, close_bv=bv, close_warps=warps, close_programs_per_sm=programs,
-                        close_maxnreg=maxnreg, close_token_mma=token_mma)  # fmt: skip
+    for bv, warps, programs, maxnreg in CLOSE_SHAPES if close else ():
+        shape = replace(
+            best, close_bv=bv, close_warps=warps, close_programs_per_sm=programs, close_maxnreg=maxnreg
+        )
         row = measure("leapquant-int8", case, shape)
         report["tuning"].append(row)
         if "error" not in row and row["ms"] < best_ms:

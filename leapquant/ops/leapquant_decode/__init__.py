@@ -57,9 +57,6 @@ class LaunchConfig:
             do not close (``_launch_step``); False: step, then close.
         close_maxnreg: register cap per thread of the close (``None``: the compiler's choice); a lower cap
             lets more close programs share a multiprocessor, at the price of a few spills.
-        close_token_mma: the close's token values ``U = S Q^T`` (three tf32 products of split halves:
-            fp32-level) and the subtraction ``S - U16 Q16^T`` (one fp16 product) on tensor cores, instead of
-            one reduction along the keys and one rank-one update per token on CUDA cores.
     """
 
     step_bv: int = 32
@@ -76,7 +73,6 @@ class LaunchConfig:
     close_programs_per_sm: int = 4
     overlap_close: bool = True
     close_maxnreg: int | None = 128
-    close_token_mma: bool = False
 
     @classmethod
     def tuned(cls, decay: str) -> LaunchConfig:
@@ -271,8 +267,8 @@ def _launch_close(pool: LeapQuantPool, n: int, launch: LaunchConfig) -> None:
     list_, count = pool.close_list()
     grid = _close_grid(pool, n, launch.close_programs_per_sm)
     close_kernel[(grid,)](
-        list_, count, *tensors, ITERS=cfg.power_iters, TOKEN_MMA=launch.close_token_mma,
-        maxnreg=launch.close_maxnreg, **shape, **_close_shape(pool, launch),
+        list_, count, *tensors, ITERS=cfg.power_iters, maxnreg=launch.close_maxnreg, **shape,
+        **_close_shape(pool, launch),
     )  # fmt: skip
 
 

@@ -20,10 +20,7 @@ every chunk and are written after a barrier at the end.
 
 The records term is a tensor-core product with one exact operand: GDN's stored fp16 keys (its decay is a
 scalar per record, folded into the values) or KDA's fp16 values (its decays act on the keys), so two tf32
-products of the other operand's high and low halves give fp32-level accuracy (``_tf32_split``).  With
-``TOKEN_MMA`` the token values and their subtraction are tensor-core products as well
-(``_minus_tokens_mma``): a chunk's ``R`` reductions along the keys (warp shuffles) and ``R`` rank-one
-updates become three tf32 products per key chunk and one fp16 product.
+products of the other operand's high and low halves give fp32-level accuracy (``_tf32_split``).
 """
 
 from __future__ import annotations
@@ -275,69 +272,12 @@ def _minus_tokens(b_rows, b_qk, o_r, o_v, i_s, comp_u, R: tl.constexpr, V: tl.co
 
 
 @triton.jit
-def _halves(x):
-    """The column halves ``x[:, :D/2], x[:, D/2:]`` of ``[M, D]`` (register renaming, no data moves)."""
-    return tl.split(tl.permute(tl.reshape(x, (x.shape[0], 2, x.shape[1] // 2)), (0, 2, 1)))
-
-
-@triton.jit
-def _key_chunks(x, NC: tl.constexpr):
-    """``[M, K]`` as a tuple of ``NC`` (1, 2 or 4) column chunks ``[M, K / NC]``, in key order."""
-    if NC == 1:
-        return (x,)
-    elif NC == 2:
-        return _halves(x)
-    else:
-        b_0, b_1 = _halves(x)
-        return _halves(b_0) + _halves(b_1)
-
-
-@triton.jit
-def _token_operands(b_qk, o_r, R: tl.constexpr, BRP: tl.constexpr, NC: tl.constexpr):
-    """The token keys as tensor-core operands, built once per head after the fit: ``Q [BRP, K]`` as tf32
-    halves ``hi + lo`` in ``NC`` key chunks (tuples of ``[BRP, K / NC]``, for ``U^T = Q S^T``) and as fp16
-    ``[BRP, K]`` (for ``U16 Q16``), zero rows beyond ``R`` (a ``tl.dot`` dimension is at least 16; zero keys
-    give zero values and subtract nothing)."""
-    o_rp = tl.arange(0, BRP)
-    b_qp = tl.zeros([BRP, b_qk.shape[1]], dtype=tl.float32)
-    for r in tl.static_range(R):
-        b_qp = tl.where(o_rp[:, None] == r, _row(b_qk, o_r, r)[None, :], b_qp)
-    b_qhi, b_qlo = _tf32_split(b_qp)
-    return _key_chunks(b_qhi, NC), _key_chunks(b_qlo, NC), b_qp.to(tl.float16)
-
-
-@triton.jit
-def _minus_tokens_mma(b_rows, b_qhi, b_qlo, b_q16, o_v, i_s, comp_u, R: tl.constexpr, V: tl.constexpr,
-                      NC: tl.constexpr, STORE: tl.constexpr):  # fmt: skip
-    """:func:`_minus_tokens` on tensor cores: ``U [BV, BRP] = S Q^T`` as three tf32 products of the halves
-    (fp32-level: the rows are no exact operand), rounded to fp16 as there, then ``S - U16 Q16`` as one fp16
-    product (exact products, fp32 sums: rounds like the reference's matrix product, not like sequential
-    rank-one updates).  ``U`` is computed transposed, ``Q`` the row operand (the warps split the ``BV``
-    columns; the rows as row operand would be whole in every warp), one key chunk at a time (a tf32 row
-    operand spanning 128 keys alone fills 64 registers a thread: spills at the 128 cap)."""
-    b_s = _key_chunks(b_rows, NC)
-    b_ut = tl.zeros([b_q16.shape[0], b_rows.shape[0]], dtype=tl.float32)
-    for i in tl.static_range(NC):
-        b_st = tl.trans(b_s[i])
-        b_shi = (b_st.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
-        b_ut = tl.dot(b_qlo[i], b_shi, acc=b_ut, input_precision="tf32")  # small terms first
-        b_ut = tl.dot(b_qhi[i], b_st - b_shi, acc=b_ut, input_precision="tf32")
-        b_ut = tl.dot(b_qhi[i], b_shi, acc=b_ut, input_precision="tf32")
-    b_u16 = tl.trans(b_ut.to(tl.float16))
-    if STORE:
-        o_rp = tl.arange(0, b_q16.shape[0])
-        p_u = comp_u + (i_s * R + o_rp[None, :]) * V + o_v[:, None]
-        tl.store(p_u, b_u16, mask=(o_rp < R)[None, :])
-    return b_rows - tl.dot(b_u16, b_q16)
-
-
-@triton.jit
 def _requantize(
     i_s, p_dense, b_end, b_col, b_w, b_khi, b_klo, count, payload, scale_v, smooth, comp_k, comp_u, rec_u,
     smooth_floor, qmax, K: tl.constexpr, V: tl.constexpr, P: tl.constexpr, R: tl.constexpr, BV: tl.constexpr,
     BR: tl.constexpr, BP: tl.constexpr, ITERS: tl.constexpr, RESIDUAL: tl.constexpr, SMOOTH: tl.constexpr,
     DENSE: tl.constexpr, DENSE_KV: tl.constexpr, WARM: tl.constexpr, VECTOR_DECAY: tl.constexpr,
-    REC16: tl.constexpr, TOKEN_MMA: tl.constexpr,
+    REC16: tl.constexpr,
 ):  # fmt: skip
     """Fit the tokens, smooth and quantize the state of head ``i_s`` into its own pool entries.
 
@@ -345,8 +285,7 @@ def _requantize(
     ``Q = orth(S_kv U0)``, then ``ITERS - 1`` times ``Q = orth(S_kv S_kv^T Q)``; token values
     ``U = S_kv^T Q`` from the unmodified state, both stored fp16; the residual ``S - Q16^T U16`` smoothed by
     ``c_k = sqrt(mean_v |R_vk|)`` and quantized with per-value-channel scales.  Same arithmetic as
-    ``naive._compress``; sums run in other orders.  ``TOKEN_MMA``: token values and subtraction on tensor
-    cores (:func:`_minus_tokens_mma`).
+    ``naive._compress``; sums run in other orders.
     """
     o_k = tl.arange(0, K)
     o_b = tl.arange(0, BV)
@@ -384,10 +323,6 @@ def _requantize(
                     b_zr = tl.sum(b_rows * b_u[:, None], 0)
                     b_z += tl.where(o_r[:, None] == r, b_zr[None, :], 0.0)
             b_qk = _orthonormalize_rows(b_z, o_r, R)
-        if TOKEN_MMA:  # loop invariants of the two passes below
-            BRP: tl.constexpr = 16 if BR < 16 else BR
-            NC: tl.constexpr = 4 if K >= 64 else (2 if K >= 32 else 1)  # key chunks: tl.dot needs >= 16
-            b_qhi, b_qlo, b_q16 = _token_operands(b_qk, o_r, R, BRP, NC)
     if SMOOTH:
         b_csum = tl.zeros([K], dtype=tl.float32)
         for v0 in tl.range(0, V, BV):
@@ -397,10 +332,7 @@ def _requantize(
                 rec_u, K, V, P, R, BP, RESIDUAL, DENSE, DENSE_KV, VECTOR_DECAY, REC16,
             )  # fmt: skip
             if R > 0:
-                if TOKEN_MMA:
-                    b_rows = _minus_tokens_mma(b_rows, b_qhi, b_qlo, b_q16, o_v, i_s, comp_u, R, V, NC, False)
-                else:
-                    b_rows = _minus_tokens(b_rows, b_qk, o_r, o_v, i_s, comp_u, R, V, False)
+                b_rows = _minus_tokens(b_rows, b_qk, o_r, o_v, i_s, comp_u, R, V, False)
             b_csum += tl.sum(tl.abs(b_rows), 0)
         b_c = tl.maximum(tl.sqrt(b_csum / V), smooth_floor)
         b_rc = tl.math.div_rn(tl.full([K], 1.0, tl.float32), b_c)
@@ -412,10 +344,7 @@ def _requantize(
             rec_u, K, V, P, R, BP, RESIDUAL, DENSE, DENSE_KV, VECTOR_DECAY, REC16,
         )  # fmt: skip
         if R > 0:
-            if TOKEN_MMA:
-                b_rows = _minus_tokens_mma(b_rows, b_qhi, b_qlo, b_q16, o_v, i_s, comp_u, R, V, NC, True)
-            else:
-                b_rows = _minus_tokens(b_rows, b_qk, o_r, o_v, i_s, comp_u, R, V, True)
+            b_rows = _minus_tokens(b_rows, b_qk, o_r, o_v, i_s, comp_u, R, V, True)
         _store_rows(b_rows, b_c, b_rc, c_fast, payload, scale_v, i_s, o_v, qmax, K, V, BV, RESIDUAL, SMOOTH)
     tl.debug_barrier()  # every chunk has been rebuilt with the old token keys
     if R > 0:
@@ -431,11 +360,10 @@ def close_kernel(
     smooth_floor, qmax,
     K: tl.constexpr, V: tl.constexpr, P: tl.constexpr, R: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr,
     BP: tl.constexpr, ITERS: tl.constexpr, RESIDUAL: tl.constexpr, SMOOTH: tl.constexpr,
-    VECTOR_DECAY: tl.constexpr, REC16: tl.constexpr, TOKEN_MMA: tl.constexpr,
+    VECTOR_DECAY: tl.constexpr, REC16: tl.constexpr,
 ):  # fmt: skip
     """Persistent: program ``pid`` closes list entries ``pid, pid + grid, ...`` (heads that just filled their
-    window; ``BR``: ``R`` rounded up to a power of two; ``BP``: ``P`` rounded up, at least 16;
-    ``TOKEN_MMA``: token values and subtraction on tensor cores)."""
+    window; ``BR``: ``R`` rounded up to a power of two; ``BP``: ``P`` rounded up, at least 16)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     count = tl.load(close_count)
@@ -447,7 +375,7 @@ def close_kernel(
         _requantize(
             i_s, payload, b_end, b_col, b_w, b_khi, b_klo, P, payload, scale_v, smooth, comp_k, comp_u, rec_u,
             smooth_floor, qmax, K, V, P, R, BV, BR, BP, ITERS, RESIDUAL, SMOOTH, False, False, True,
-            VECTOR_DECAY, REC16, TOKEN_MMA,
+            VECTOR_DECAY, REC16,
         )  # fmt: skip
         tl.store(pos + i_s, 0)
         tl.debug_barrier()  # the next head's first loads must not pass this head's last stores
@@ -480,7 +408,7 @@ def boundary_kernel(
         _requantize(
             i_s, p_dense, b_0, b_0, b_0, b_0, b_0, 0, payload, scale_v, smooth, comp_k, comp_u, rec_u,
             smooth_floor, qmax, K, V, P, R, BV, BR, BP, ITERS, RESIDUAL, SMOOTH, True, DENSE_KV, False,
-            VECTOR_DECAY, REC16, False,
+            VECTOR_DECAY, REC16,
         )  # fmt: skip
         tl.store(pos + i_s, 0)
     else:
