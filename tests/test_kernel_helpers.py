@@ -23,8 +23,8 @@ def _divide_kernel(a, b, fast, exact, BLOCK: tl.constexpr):
 
 
 def _floats(sign: torch.Tensor, gen: torch.Generator, lo: int, hi: int, n: int) -> torch.Tensor:
-    """fp32 with uniformly random mantissas and exponents in ``[lo, hi]``, half of them negative, and a
-    quarter of the mantissas at the extremes (all ones, all zeros but the last bits): the hard cases of
+    """fp32 with uniformly random mantissas and exponents in ``[lo, hi]``, signs from ``sign`` (1: negative),
+    and a quarter of the mantissas at the extremes (all ones, all zeros but the last bits): the hard cases of
     reciprocal-based division are divisors whose significand is close to 2 or to 1."""
     mant = torch.randint(0, 1 << 23, (n,), generator=gen, dtype=torch.int64)
     edge = torch.randint(0, 64, (n,), generator=gen, dtype=torch.int64)

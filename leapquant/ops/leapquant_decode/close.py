@@ -109,9 +109,9 @@ def _store_rows(b_rows, b_c, b_rc, c_fast, payload, scale_v, i_s, o_v, qmax, K: 
             b_rcp = tl.math.div_rn(tl.full([BV], 1.0, tl.float32), b_scale)
             b_x = divide_by_reciprocal(b_xs, b_scale[:, None], b_rcp[:, None])
         else:
-            if SMOOTH:
+            if SMOOTH:  # the scales came from reciprocal quotients: recompute both exactly
                 b_xs = tl.math.div_rn(b_rows, b_c[None, :])
-            b_scale, fast = _exact_scales(b_xs, qmax)
+                b_scale, fast = _exact_scales(b_xs, qmax)
             b_x = tl.math.div_rn(b_xs, b_scale[:, None])
         tl.store(scale_v + i_s * V + o_v, b_scale)
         if RESIDUAL == 3:
