@@ -196,3 +196,12 @@ def test_simulate_triton_backend_agrees_with_reference(tmp_path):
 def test_simulate_triton_backend_refuses_methods_without_kernels(trace_path, capsys):
     assert main(["simulate", str(trace_path), "-m", "mxfp4/w16", "--backend", "triton", "--quiet"]) == 2
     assert "no kernel" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("variant", ["nonsense", "perstep-int8"])
+def test_bench_kernel_refuses_a_tune_variant_without_a_pool(variant, capsys):
+    """``--tune-variant`` names the pool method the launch shapes are timed on; anything else is refused
+    before any timing (on any machine)."""
+    assert main(["bench", "kernel", "--tune", "close", "--tune-variant", variant]) == 2
+    err = capsys.readouterr().err
+    assert f"--tune-variant {variant!r}: not a pool method" in err

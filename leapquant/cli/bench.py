@@ -76,6 +76,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "kernels are never autotuned in place",
     )
     k.add_argument(
+        "--tune-variant",
+        default="leapquant-int8",
+        metavar="METHOD",
+        help="the variant --tune times (default leapquant-int8; the step shapes use its :step form)",
+    )
+    k.add_argument(
         "--sweep-at",
         type=int,
         default=None,
@@ -199,8 +205,14 @@ def run_kernel(args: argparse.Namespace) -> int:
     from ..bench.timing import copy_bandwidth
     from ..eval.provenance import provenance
     from ..ops.leapquant_decode import LaunchConfig
+    from ..ops.pool import PoolConfig
     from .simulate import console
 
+    if args.tune:
+        try:
+            PoolConfig.from_method(args.tune_variant, args.heads)
+        except LeapQuantError as exc:
+            raise LeapQuantError(f"--tune-variant {args.tune_variant!r}: not a pool method ({exc})") from None
     if not torch.cuda.is_available():
         raise LeapQuantError(
             "bench kernel needs a CUDA GPU (kernels are tested on the CPU by pytest instead)"
@@ -262,7 +274,7 @@ def run_kernel(args: argparse.Namespace) -> int:
         if args.tune:
             case = KernelCase(family=family, n=sizes[0], heads=args.heads, key_heads=key_heads)
             shape = _tune(case, launch, measure, report, con, step=args.tune != "close",
-                          close=args.tune != "step")  # fmt: skip
+                          close=args.tune != "step", variant=args.tune_variant)  # fmt: skip
             save()
         report["launch"][family] = shape.__dict__
         runs = [(n, variants, "main") for n in sizes]
@@ -331,12 +343,15 @@ CLOSE_SHAPES = (
     (32, 4, 2, None),
     (32, 4, 3, 168),
     (32, 4, 4, 128),
+    (16, 4, 2, None),  # r=8: uncapped, the tokens' tiles spill ~800 B a thread at 128 registers
+    (64, 8, 1, None),
 )
 
 
-def _tune(case, launch, measure, report, con, *, step: bool = True, close: bool = True):
-    """Pick the fastest step shape on ``leapquant-int8:step`` (tensor-core and CUDA-core kernels), then
-    the close shape on ``leapquant-int8``."""
+def _tune(case, launch, measure, report, con, *, step: bool = True, close: bool = True,
+          variant: str = "leapquant-int8"):  # fmt: skip
+    """Pick the fastest step shape on ``variant:step`` (tensor-core and CUDA-core kernels), then the close
+    shape on ``variant``."""
     from dataclasses import replace
 
     best, best_ms = launch, float("inf")
@@ -345,7 +360,7 @@ def _tune(case, launch, measure, report, con, *, step: bool = True, close: bool 
     shapes += [replace(launch, step_mma=False, step_bv=bv, step_warps=w, step_stages=st, fast_cvt=fast)
                for bv, w, st, fast in STEP_SHAPES]  # fmt: skip
     for shape in shapes if step else ():
-        row = measure("leapquant-int8:step", case, shape)
+        row = measure(f"{variant}:step", case, shape)
         report["tuning"].append(row)
         if "error" not in row and row["ms"] < best_ms:
             best, best_ms = shape, row["ms"]
@@ -355,7 +370,7 @@ def _tune(case, launch, measure, report, con, *, step: bool = True, close: bool 
         shape = replace(
             best, close_bv=bv, close_warps=warps, close_programs_per_sm=programs, close_maxnreg=maxnreg
         )
-        row = measure("leapquant-int8", case, shape)
+        row = measure(variant, case, shape)
         report["tuning"].append(row)
         if "error" not in row and row["ms"] < best_ms:
             chosen, best_ms = shape, row["ms"]
