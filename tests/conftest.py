@@ -9,6 +9,14 @@ import torch
 if not torch.cuda.is_available():
     # must be set before triton is imported anywhere; kernels then run with numpy on the CPU
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # @triton.jit decides at decoration time whether a function is interpreted: import every jit function
+    # (triton's own tl.sum, ... and our kernels) now, so a test that unsets the variable (the README's CPU
+    # path) cannot leave compiled-only versions behind for the kernel tests that run after it
+    import triton.language  # noqa: F401
+
+    import leapquant.ops.leapquant_decode.close
+    import leapquant.ops.leapquant_decode.fused_recurrent
+    import leapquant.ops.per_step_decode.fused_recurrent  # noqa: F401
 
 
 @pytest.fixture(autouse=True)
