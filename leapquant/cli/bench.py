@@ -269,7 +269,17 @@ def run_kernel(args: argparse.Namespace) -> int:
 
     for family in families:
         key_heads = args.gdn_key_heads if family == "gdn" else args.heads
-        launch = replace(LaunchConfig.tuned("scalar" if family == "gdn" else "vector"), **overrides)
+        decay = "scalar" if family == "gdn" else "vector"
+
+        def default_launch(variant: str, decay=decay) -> LaunchConfig:
+            """Without --tune: the tuned launch for the variant's token count, then the overrides."""
+            name = variant.removesuffix(":step")
+            rank = 4
+            if name != "fla-fp32" and not name.startswith("perstep-"):
+                rank = PoolConfig.from_method(name, args.heads).compensators
+            return replace(LaunchConfig.tuned(decay, rank), **overrides)
+
+        launch = default_launch(args.tune_variant)
         shape = launch
         if args.tune:
             case = KernelCase(family=family, n=sizes[0], heads=args.heads, key_heads=key_heads)
@@ -284,7 +294,7 @@ def run_kernel(args: argparse.Namespace) -> int:
             case = KernelCase(family=family, n=n, heads=args.heads, key_heads=key_heads)
             base = None
             for variant in names:
-                row = measure(variant, case, shape)
+                row = measure(variant, case, shape if args.tune else default_launch(variant))
                 row["table"] = table
                 report["rows"].append(row)
                 if "error" in row:
