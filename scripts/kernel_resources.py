@@ -80,25 +80,19 @@ def main() -> None:
               resources(lq.step_tc_kernel, ptrs, {"qk_scale": "fp32"}, consts, warps))  # fmt: skip
     close_ptrs = dict(common, close_list="*i32", close_count="*i32")
     scalars = {"smooth_floor": "fp32", "qmax": "fp32"}
-    # (tokens, vector decay, rows per chunk, warps, register cap, factored fit start)
-    shapes = ((4, False, 32, 4, 128, True), (4, True, 32, 4, 128, True), (4, False, 32, 4, 128, False),
-              (4, True, 32, 4, 128, False), (8, False, 32, 4, 168, True), (0, False, 32, 4, 128, True),
-              (4, False, 32, 4, None, True), (4, False, 16, 4, 128, True))  # fmt: skip
-    for rank, decay, bv, warps, maxnreg, factored in shapes:
+    shapes = ((4, False, 32, 4, None), (4, True, 32, 4, None), (8, False, 32, 4, None),
+              (0, False, 32, 4, None), (4, False, 16, 4, 128), (4, True, 16, 4, 128),
+              (4, False, 32, 4, 128))  # fmt: skip
+    for rank, decay, bv, warps, maxnreg in shapes:
         br = 1 << max(0, rank - 1).bit_length()
-        consts = dict(K=128, V=128, P=16, R=rank, BV=bv, BR=br, BP=16, BS=max(16, 4 * br), ITERS=1,
-                      RESIDUAL=2, SMOOTH=True, FACTORED=factored, VECTOR_DECAY=decay, REC16=True)  # fmt: skip
+        consts = dict(K=128, V=128, P=16, R=rank, BV=bv, BR=br, BP=16, ITERS=1, RESIDUAL=2, SMOOTH=True,
+                      VECTOR_DECAY=decay, REC16=True)  # fmt: skip
         usage = resources(cc.close_kernel, close_ptrs, scalars, consts, warps, maxnreg)
         kind = "vector" if decay else "scalar"
-        start = "factored" if factored else "rebuilt"
-        print(
-            f"chunked close, r={rank}, {kind} decay, BV={bv}, {warps} warps, maxnreg {maxnreg}, {start} "
-            f"start: {usage}"
-        )
+        print(f"chunked close, r={rank}, {kind} decay, BV={bv}, {warps} warps, maxnreg {maxnreg}: {usage}")
     boundary_ptrs = dict(common, slots="*i32", dense="*fp32")
     for mode in (cc.MODE_LOAD, cc.MODE_MATERIALIZE):
-        consts = dict(HV=32, K=128, V=128, P=16, R=4, BV=32, BR=4, BP=16, BS=16, MODE=mode, DENSE_KV=True,
-                      ITERS=8,
+        consts = dict(HV=32, K=128, V=128, P=16, R=4, BV=32, BR=4, BP=16, MODE=mode, DENSE_KV=True, ITERS=8,
                       RESIDUAL=2, SMOOTH=True, VECTOR_DECAY=False, REC16=True)  # fmt: skip
         usage = resources(cc.boundary_kernel, boundary_ptrs, scalars, consts, 4)
         print(f"boundary kernel, {'load' if mode == cc.MODE_LOAD else 'materialize'}, 4 warps: {usage}")

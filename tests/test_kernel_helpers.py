@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from leapquant.ops.common import divide_by_reciprocal
+from leapquant.ops.leapquant_decode.close import _start_vectors
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BLOCK = 1024
@@ -60,3 +61,25 @@ def test_divide_by_reciprocal_is_correctly_rounded(a_range, b_range):
     assert torch.isfinite(exact).all()
     bad = (fast.view(torch.int32) != exact.view(torch.int32)).nonzero().flatten()
     assert bad.numel() == 0, f"{bad.numel()} differ, e.g. {a[bad[:3]].tolist()} / {b[bad[:3]].tolist()}"
+
+
+@triton.jit
+def _hash_kernel(out, d_v, R: tl.constexpr, BR: tl.constexpr, BV: tl.constexpr):
+    o_v = tl.program_id(0) * BV + tl.arange(0, BV)
+    o_r = tl.arange(0, BR)
+    mask = (o_r < R)[:, None] & (o_v < d_v)[None, :]
+    tl.store(out + o_r[:, None] * d_v + o_v[None, :], _start_vectors(o_r, o_v), mask=mask)
+
+
+@pytest.mark.parametrize(
+    ("d_v", "rank"), [pytest.param(4096, 8, id="4096x8"), pytest.param(96, 3, id="96x3-ragged")]
+)
+def test_kernel_start_vectors_are_the_reference_hash(d_v, rank):
+    """The close's uint32 hash (32-bit wrapping multiplies) gives the reference's int64 +-1 start vectors,
+    element for element, over value rows far beyond any head dimension."""
+    from leapquant.methods.compensators import start_vectors
+
+    out = torch.empty(rank, d_v, device=DEVICE)
+    _hash_kernel[(triton.cdiv(d_v, 128),)](out, d_v, R=rank, BR=triton.next_power_of_2(rank), BV=128)
+    ref = start_vectors(d_v, rank, dtype=torch.float32, device=DEVICE).T
+    assert torch.equal(out, ref)

@@ -361,7 +361,7 @@ CLOSE_SHAPES = (
 def _tune(case, launch, measure, report, con, *, step: bool = True, close: bool = True,
           variant: str = "leapquant-int8"):  # fmt: skip
     """Pick the fastest step shape on ``variant:step`` (tensor-core and CUDA-core kernels), then the close
-    shape on ``variant``, then whether its fit starts from the factored state or from rebuilt rows."""
+    shape on ``variant``."""
     from dataclasses import replace
 
     best, best_ms = launch, float("inf")
@@ -380,13 +380,6 @@ def _tune(case, launch, measure, report, con, *, step: bool = True, close: bool 
         shape = replace(
             best, close_bv=bv, close_warps=warps, close_programs_per_sm=programs, close_maxnreg=maxnreg
         )
-        row = measure(variant, case, shape)
-        report["tuning"].append(row)
-        if "error" not in row and row["ms"] < best_ms:
-            chosen, best_ms = shape, row["ms"]
-        con.print(f"tune {case.family} close {shape}: {row.get('ms', float('nan')) * 1e3:.1f} us")
-    if close:  # the same shape with the rows rebuilt for the fit's start: what the factored start buys
-        shape = replace(chosen, close_factored_start=False)
         row = measure(variant, case, shape)
         report["tuning"].append(row)
         if "error" not in row and row["ms"] < best_ms:

@@ -57,9 +57,6 @@ class LaunchConfig:
             do not close (``_launch_step``); False: step, then close.
         close_maxnreg: register cap per thread of the close (``None``: the compiler's choice); a lower cap
             lets more close programs share a multiprocessor, at the price of a few spills.
-        close_factored_start: the close takes its fit's first product from the state's factors (one fp16
-            tensor-core product of the codes per chunk, ``close._factored_start``) instead of a pass that
-            rebuilds the rows (integer and fp8 residuals, warm starts; False: always rebuild).
     """
 
     step_bv: int = 32
@@ -76,7 +73,6 @@ class LaunchConfig:
     close_programs_per_sm: int = 4
     overlap_close: bool = True
     close_maxnreg: int | None = 128
-    close_factored_start: bool = True
 
     @classmethod
     def tuned(cls, decay: str, compensators: int = 4) -> LaunchConfig:
@@ -264,7 +260,6 @@ def _close_args(pool: LeapQuantPool) -> tuple[tuple, dict]:
 def _close_shape(pool: LeapQuantPool, launch: LaunchConfig) -> dict:
     cfg = pool.config
     return dict(BV=min(cfg.d_v, launch.close_bv), BR=_pow2(cfg.compensators), BP=_pow2(cfg.window, 16),
-                BS=max(16, 4 * _pow2(cfg.compensators)),
                 REC16=cfg.records == "fp16", num_warps=launch.close_warps)  # fmt: skip
 
 
@@ -277,8 +272,7 @@ def _launch_close(pool: LeapQuantPool, n: int, launch: LaunchConfig) -> None:
     list_, count = pool.close_list()
     grid = _close_grid(pool, n, launch.close_programs_per_sm)
     close_kernel[(grid,)](
-        list_, count, *tensors, ITERS=cfg.power_iters, FACTORED=launch.close_factored_start,
-        maxnreg=launch.close_maxnreg, **shape,
+        list_, count, *tensors, ITERS=cfg.power_iters, maxnreg=launch.close_maxnreg, **shape,
         **_close_shape(pool, launch),
     )  # fmt: skip
 

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from ..common import bf16_grid, divide_by_reciprocal, e4m3_grid, rint
-from .fused_recurrent import _exponent, _pow2, _residual_rows
+from .fused_recurrent import _residual_rows
 
 __all__ = ["MODE_LOAD", "MODE_MATERIALIZE", "boundary_kernel", "close_kernel"]
 
@@ -42,11 +42,12 @@ FAST_C_MIN = tl.constexpr(2.0**-30)  # and column (smoothing) scales
 
 @triton.jit
 def _start_vectors(o_r, o_v):
-    """The +-1 hash of :func:`leapquant.methods.compensators.start_vectors`, ``[BR, BV]``."""
-    j = o_v.to(tl.int64)[None, :]
-    h = o_r.to(tl.int64)[:, None]
-    x = (j * 0x9E3779B1 + (h + 1) * 0x85EBCA77) & 0xFFFFFFFF
-    x = ((x ^ (x >> 15)) * 0x2C1B3C6D) & 0xFFFFFFFF
+    """The +-1 hash of :func:`leapquant.methods.compensators.start_vectors`, ``[BR, BV]``, in uint32 (the
+    reference's ``& 0xFFFFFFFF`` is the wrap of a 32-bit multiply; half the registers of int64)."""
+    j = o_v.to(tl.uint32)[None, :]
+    h = o_r.to(tl.uint32)[:, None]
+    x = j * 0x9E3779B1 + (h + 1) * 0x85EBCA77
+    x = (x ^ (x >> 15)) * 0x2C1B3C6D
     x = x ^ (x >> 12)
     return tl.where((x & 1) == 1, 1.0, -1.0)
 
@@ -242,76 +243,6 @@ def _rows(
 
 
 @triton.jit
-def _factored_start(
-    i_s, b_end, b_col, b_w, b_khi, b_klo, payload, scale_v, comp_k, comp_u, rec_u, K: tl.constexpr,
-    V: tl.constexpr, P: tl.constexpr, R: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr, BP: tl.constexpr,
-    BS: tl.constexpr, RESIDUAL: tl.constexpr, VECTOR_DECAY: tl.constexpr, REC16: tl.constexpr,
-):  # fmt: skip
-    """The fit's first product ``Z = S^T U0`` (``[BR, K]``, warm start ``U0`` = the stored token values, all
-    non-zero) from the factors of ``S``, not from rebuilt rows:
-
-        Z_r = col * C^T (scale * U0_r)  +  end * Kt^T (Ut U0_r)  +  keys^T (w * (vals U0_r)).
-
-    The codes' part is one fp16 tensor-core product per chunk: the codes (integers, e4m3 values) are exact
-    in fp16 and ``scale * U0_r`` goes in as three fp16 pieces of a shared scale per token (``_fp16_pieces``:
-    33 significant bits), rows ``4 r + i`` of a ``[BS, BV]`` operand; the tokens' and records' parts are
-    small products of the stored fp16 values, exact in fp32.  So a chunk costs its code loads and one
-    product instead of a rebuild and ``R`` reductions across its rows.  Returns ``(Z, in_range)``:
-    ``in_range`` is False where a token's scale left the pieces' range (values above ~2^114 or below
-    ~2^-86, NaN, Inf), and the caller then rebuilds the rows instead.
-    """
-    o_k = tl.arange(0, K)
-    o_vv = tl.arange(0, V)
-    o_b = tl.arange(0, BV)
-    o_r = tl.arange(0, BR)
-    o_p = tl.arange(0, BP)
-    o_n = tl.arange(0, BS)
-    r_n = o_n // 4  # operand row n holds piece n % 4 (0-2; 3 unused) of token n // 4
-    mask_n = (r_n < R) & ((o_n % 4) < 3)
-    p_un = comp_u + (i_s * R + r_n[:, None]) * V
-    b_un = tl.load(p_un + o_vv[None, :], mask=mask_n[:, None], other=0).to(tl.float32)
-    b_xn = b_un * tl.load(scale_v + i_s * V + o_vv)[None, :]
-    e_n = _exponent(tl.max(tl.abs(b_xn), 1))  # one fixed-point scale per token, over all value rows
-    in_range = tl.min(tl.where(mask_n, (e_n > -100) & (e_n < 100), 1).to(tl.int32)) > 0  # not clamped
-    b_acc = tl.zeros([BS, K], dtype=tl.float32)
-    for v0 in tl.range(0, V, BV):
-        o_v = v0 + o_b
-        b_codes = _residual_rows(payload, i_s, o_v, o_k, K, V, RESIDUAL).to(tl.float16)  # exact
-        b_x = tl.load(p_un + o_v[None, :], mask=mask_n[:, None], other=0).to(tl.float32)
-        b_a = b_x * tl.load(scale_v + i_s * V + o_v)[None, :] * _pow2(e_n)[:, None]
-        b_p0 = b_a.to(tl.float16)
-        b_rest = b_a - b_p0.to(tl.float32)
-        b_p1 = b_rest.to(tl.float16)
-        b_p2 = (b_rest - b_p1.to(tl.float32)).to(tl.float16)
-        i_n = (o_n % 4)[:, None]
-        b_piece = tl.where(i_n == 0, b_p0, tl.where(i_n == 1, b_p1, b_p2))
-        b_acc = tl.dot(b_piece, b_codes, acc=b_acc)
-    # one part at a time, so that no two [16, K] tiles are live at once (the close runs at 128 registers)
-    b_acc = b_acc * tl.where(mask_n, _pow2(-e_n), 0.0)[:, None]
-    b_z = tl.zeros([BR, K], dtype=tl.float32)
-    for r in tl.static_range(R):
-        b_zr = b_col * tl.sum(tl.where((r_n == r)[:, None], b_acc, 0.0), 0)
-        b_z = tl.where(o_r[:, None] == r, b_zr[None, :], b_z)
-    b_cu = tl.load(comp_u + (i_s * R + o_r[:, None]) * V + o_vv[None, :], mask=(o_r < R)[:, None], other=0)
-    b_ck = tl.load(comp_k + (i_s * R + o_r[:, None]) * K + o_k[None, :], mask=(o_r < R)[:, None], other=0)
-    for r in tl.static_range(R):
-        b_u0 = tl.load(comp_u + (i_s * R + r) * V + o_vv).to(tl.float32)
-        b_gram = tl.sum(b_cu.to(tl.float32) * b_u0[None, :], 1)  # Ut U0_r
-        b_zr = b_end * tl.sum(b_gram[:, None] * b_ck.to(tl.float32), 0)
-        b_z += tl.where(o_r[:, None] == r, b_zr[None, :], 0.0)
-    b_vals = tl.load(rec_u + (i_s * P + o_p[:, None]) * V + o_vv[None, :], mask=(o_p < P)[:, None], other=0)
-    for r in tl.static_range(R):
-        b_u0 = tl.load(comp_u + (i_s * R + r) * V + o_vv).to(tl.float32)
-        b_m = tl.sum(b_vals.to(tl.float32) * b_u0[None, :], 1) * b_w  # w * (vals U0_r)
-        if VECTOR_DECAY and REC16:  # the keys are the split's halves
-            b_zr = tl.sum(b_m[:, None] * (b_khi + b_klo), 0)
-        else:
-            b_zr = tl.sum(b_m[:, None] * b_khi, 0)
-        b_z += tl.where(o_r[:, None] == r, b_zr[None, :], 0.0)
-    return b_z, in_range
-
-
-@triton.jit
 def _start_value(
     i_s, r, o_v, comp_u, b_usable, b_hashed, o_r, WARM: tl.constexpr, V: tl.constexpr, R: tl.constexpr
 ):
@@ -345,9 +276,9 @@ def _minus_tokens(b_rows, b_qk, o_r, o_v, i_s, comp_u, R: tl.constexpr, V: tl.co
 def _requantize(
     i_s, p_dense, b_end, b_col, b_w, b_khi, b_klo, count, payload, scale_v, smooth, comp_k, comp_u, rec_u,
     smooth_floor, qmax, K: tl.constexpr, V: tl.constexpr, P: tl.constexpr, R: tl.constexpr, BV: tl.constexpr,
-    BR: tl.constexpr, BP: tl.constexpr, BS: tl.constexpr, ITERS: tl.constexpr, RESIDUAL: tl.constexpr,
-    SMOOTH: tl.constexpr, DENSE: tl.constexpr, DENSE_KV: tl.constexpr, WARM: tl.constexpr,
-    FACTORED: tl.constexpr, VECTOR_DECAY: tl.constexpr, REC16: tl.constexpr,
+    BR: tl.constexpr, BP: tl.constexpr, ITERS: tl.constexpr, RESIDUAL: tl.constexpr, SMOOTH: tl.constexpr,
+    DENSE: tl.constexpr, DENSE_KV: tl.constexpr, WARM: tl.constexpr, VECTOR_DECAY: tl.constexpr,
+    REC16: tl.constexpr,
 ):  # fmt: skip
     """Fit the tokens, smooth and quantize the state of head ``i_s`` into its own pool entries.
 
@@ -355,8 +286,7 @@ def _requantize(
     ``Q = orth(S_kv U0)``, then ``ITERS - 1`` times ``Q = orth(S_kv S_kv^T Q)``; token values
     ``U = S_kv^T Q`` from the unmodified state, both stored fp16; the residual ``S - Q16^T U16`` smoothed by
     ``c_k = sqrt(mean_v |R_vk|)`` and quantized with per-value-channel scales.  Same arithmetic as
-    ``naive._compress``; sums run in other orders.  ``FACTORED``: a warm start takes the fit's first product
-    from the state's factors (``_factored_start``), so only the smoothing and quantization passes rebuild.
+    ``naive._compress``; sums run in other orders.
     """
     o_k = tl.arange(0, K)
     o_b = tl.arange(0, BV)
@@ -369,27 +299,17 @@ def _requantize(
     if R > 0:
         b_usable = _usable(i_s, comp_u, WARM, V, R, BV, BR)
         b_z = tl.zeros([BR, K], dtype=tl.float32)
-        rebuild = True
-        if FACTORED and (not DENSE) and WARM and RESIDUAL >= 2:  # codes exact in fp16
-            b_z, in_range = _factored_start(
-                i_s, b_end, b_col, b_w, b_khi, b_klo, payload, scale_v, comp_k, comp_u, rec_u, K, V, P, R, BV,
-                BR, BP, BS, RESIDUAL, VECTOR_DECAY, REC16,
+        for v0 in tl.range(0, V, BV):
+            o_v = v0 + o_b
+            b_rows = _rows(
+                i_s, o_v, p_dense, b_end, b_col, b_w, b_khi, b_klo, count, payload, scale_v, comp_k, comp_u,
+                rec_u, K, V, P, R, BP, RESIDUAL, DENSE, DENSE_KV, VECTOR_DECAY, REC16,
             )  # fmt: skip
-            all_usable = tl.min(tl.where(mask_r, b_usable.to(tl.int32), 1))
-            rebuild = in_range.to(tl.int32) * all_usable == 0
-        if rebuild:  # prefill, a zero token (hashed start), out-of-range scales: rebuild the rows
-            b_z = tl.zeros([BR, K], dtype=tl.float32)
-            for v0 in tl.range(0, V, BV):
-                o_v = v0 + o_b
-                b_rows = _rows(
-                    i_s, o_v, p_dense, b_end, b_col, b_w, b_khi, b_klo, count, payload, scale_v, comp_k,
-                    comp_u, rec_u, K, V, P, R, BP, RESIDUAL, DENSE, DENSE_KV, VECTOR_DECAY, REC16,
-                )  # fmt: skip
-                b_hashed = _start_vectors(o_r, o_v)  # once per chunk, for all tokens
-                for r in tl.static_range(R):
-                    b_start = _start_value(i_s, r, o_v, comp_u, b_usable, b_hashed, o_r, WARM, V, R)
-                    b_zr = tl.sum(b_rows * b_start[:, None], 0)
-                    b_z += tl.where(o_r[:, None] == r, b_zr[None, :], 0.0)
+            b_hashed = _start_vectors(o_r, o_v)  # once per chunk, for all tokens
+            for r in tl.static_range(R):
+                b_start = _start_value(i_s, r, o_v, comp_u, b_usable, b_hashed, o_r, WARM, V, R)
+                b_zr = tl.sum(b_rows * b_start[:, None], 0)
+                b_z += tl.where(o_r[:, None] == r, b_zr[None, :], 0.0)
         b_qk = _orthonormalize_rows(b_z, o_r, R)
         for _ in range(ITERS - 1):
             b_z = tl.zeros([BR, K], dtype=tl.float32)
@@ -440,12 +360,11 @@ def close_kernel(
     close_list, close_count, payload, scale_v, smooth, comp_k, comp_u, rec_g, rec_k, rec_u, pos,
     smooth_floor, qmax,
     K: tl.constexpr, V: tl.constexpr, P: tl.constexpr, R: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr,
-    BP: tl.constexpr, BS: tl.constexpr, ITERS: tl.constexpr, RESIDUAL: tl.constexpr, SMOOTH: tl.constexpr,
-    FACTORED: tl.constexpr, VECTOR_DECAY: tl.constexpr, REC16: tl.constexpr,
+    BP: tl.constexpr, ITERS: tl.constexpr, RESIDUAL: tl.constexpr, SMOOTH: tl.constexpr,
+    VECTOR_DECAY: tl.constexpr, REC16: tl.constexpr,
 ):  # fmt: skip
     """Persistent: program ``pid`` closes list entries ``pid, pid + grid, ...`` (heads that just filled their
-    window; ``BR``: ``R`` rounded up to a power of two; ``BP``: ``P`` rounded up, at least 16; ``BS``:
-    ``4 BR``, at least 16, the rows of the factored start's operand)."""
+    window; ``BR``: ``R`` rounded up to a power of two; ``BP``: ``P`` rounded up, at least 16)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     count = tl.load(close_count)
@@ -456,8 +375,8 @@ def close_kernel(
         )
         _requantize(
             i_s, payload, b_end, b_col, b_w, b_khi, b_klo, P, payload, scale_v, smooth, comp_k, comp_u, rec_u,
-            smooth_floor, qmax, K, V, P, R, BV, BR, BP, BS, ITERS, RESIDUAL, SMOOTH, False, False, True,
-            FACTORED, VECTOR_DECAY, REC16,
+            smooth_floor, qmax, K, V, P, R, BV, BR, BP, ITERS, RESIDUAL, SMOOTH, False, False, True,
+            VECTOR_DECAY, REC16,
         )  # fmt: skip
         tl.store(pos + i_s, 0)
         tl.debug_barrier()  # the next head's first loads must not pass this head's last stores
@@ -467,9 +386,8 @@ def close_kernel(
 def boundary_kernel(
     slots, dense, payload, scale_v, smooth, comp_k, comp_u, rec_g, rec_k, rec_u, pos, smooth_floor, qmax,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, P: tl.constexpr, R: tl.constexpr, BV: tl.constexpr,
-    BR: tl.constexpr, BP: tl.constexpr, BS: tl.constexpr, MODE: tl.constexpr, DENSE_KV: tl.constexpr,
-    ITERS: tl.constexpr, RESIDUAL: tl.constexpr, SMOOTH: tl.constexpr, VECTOR_DECAY: tl.constexpr,
-    REC16: tl.constexpr,
+    BR: tl.constexpr, BP: tl.constexpr, MODE: tl.constexpr, DENSE_KV: tl.constexpr, ITERS: tl.constexpr,
+    RESIDUAL: tl.constexpr, SMOOTH: tl.constexpr, VECTOR_DECAY: tl.constexpr, REC16: tl.constexpr,
 ):  # fmt: skip
     """One program per (sequence, head): ``MODE_LOAD`` quantizes ``dense`` into the slot with a cold-started
     fit; ``MODE_MATERIALIZE`` writes the slot's dense state at its current position into ``dense``."""
@@ -490,8 +408,8 @@ def boundary_kernel(
         b_0 = tl.zeros([K], dtype=tl.float32)  # no factors: rows come from the dense state
         _requantize(
             i_s, p_dense, b_0, b_0, b_0, b_0, b_0, 0, payload, scale_v, smooth, comp_k, comp_u, rec_u,
-            smooth_floor, qmax, K, V, P, R, BV, BR, BP, BS, ITERS, RESIDUAL, SMOOTH, True, DENSE_KV, False,
-            False, VECTOR_DECAY, REC16,
+            smooth_floor, qmax, K, V, P, R, BV, BR, BP, ITERS, RESIDUAL, SMOOTH, True, DENSE_KV, False,
+            VECTOR_DECAY, REC16,
         )  # fmt: skip
         tl.store(pos + i_s, 0)
     else:
