@@ -78,18 +78,21 @@ def main() -> None:
         print(f"step kernel (tensor cores), {decay} decay, {'int4' if code == 4 else 'int8'}, r={rank}, "
               f"BV={bv}, {warps} warps:",
               resources(lq.step_tc_kernel, ptrs, {"qk_scale": "fp32"}, consts, warps))  # fmt: skip
-    close_ptrs = dict(common, close_list="*i32", close_count="*i32")
+    close_ptrs = dict(common, close_list="*i32", close_count="*i32", token_scratch="*fp16")
     scalars = {"smooth_floor": "fp32", "qmax": "fp32"}
-    shapes = ((4, False, 32, 4, None), (4, True, 32, 4, None), (8, False, 32, 4, None),
-              (0, False, 32, 4, None), (4, False, 16, 4, 128), (4, True, 16, 4, 128),
-              (4, False, 32, 4, 128))  # fmt: skip
-    for rank, decay, bv, warps, maxnreg in shapes:
+    # (tokens, vector decay, rows per chunk, warps, register cap, token-value scratch)
+    shapes = ((4, False, 32, 4, None, True), (4, True, 32, 4, None, True), (8, False, 32, 4, None, True),
+              (0, False, 32, 4, None, False), (4, False, 16, 4, 128, True), (4, True, 16, 4, 128, True),
+              (4, False, 32, 4, 128, True), (4, False, 32, 4, 128, False), (4, True, 32, 4, 128, True),
+              (4, True, 32, 4, 128, False))  # fmt: skip
+    for rank, decay, bv, warps, maxnreg, scratch in shapes:
         br = 1 << max(0, rank - 1).bit_length()
         consts = dict(K=128, V=128, P=16, R=rank, BV=bv, BR=br, BP=16, ITERS=1, RESIDUAL=2, SMOOTH=True,
-                      VECTOR_DECAY=decay, REC16=True)  # fmt: skip
+                      VECTOR_DECAY=decay, REC16=True, TOKEN_SCRATCH=scratch)  # fmt: skip
         usage = resources(cc.close_kernel, close_ptrs, scalars, consts, warps, maxnreg)
         kind = "vector" if decay else "scalar"
-        print(f"chunked close, r={rank}, {kind} decay, BV={bv}, {warps} warps, maxnreg {maxnreg}: {usage}")
+        print(f"chunked close, r={rank}, {kind} decay, BV={bv}, {warps} warps, maxnreg {maxnreg}, "
+              f"token scratch {scratch}: {usage}")  # fmt: skip
     boundary_ptrs = dict(common, slots="*i32", dense="*fp32")
     for mode in (cc.MODE_LOAD, cc.MODE_MATERIALIZE):
         consts = dict(HV=32, K=128, V=128, P=16, R=4, BV=32, BR=4, BP=16, MODE=mode, DENSE_KV=True, ITERS=8,

@@ -365,6 +365,36 @@ def test_close_matches_reference_across_fit_options(family, residual, rank, smoo
 
 
 @pytest.mark.parametrize(
+    ("family", "residual", "rank"),
+    [
+        pytest.param("gdn", "int8", 4, id="gdn-int8-r4"),
+        pytest.param("kda", "int4", 8, id="kda-int4-r8"),
+        pytest.param("gdn", "fp8-e4m3", 3, id="gdn-fp8-r3"),
+    ],
+)
+def test_close_token_scratch_changes_no_bit(family, residual, rank):
+    """The close's quantization pass reading the token values its smoothing pass kept in the scratch leaves
+    the pool exactly as computing them again does, over several windows and in several row chunks."""
+    from leapquant.ops.leapquant_decode import LaunchConfig
+
+    gen = torch.Generator(device=DEVICE).manual_seed(rank)
+    cfg = PoolConfig(heads=2, d_k=K, d_v=V, window=4, compensators=rank, smoothing=True, residual=residual,
+                     decay="vector" if family == "kda" else "scalar")  # fmt: skip
+    slots = torch.tensor([3, -1, 0, 1], dtype=torch.int32, device=DEVICE)
+    pools = [LeapQuantPool.allocate(cfg, 5, DEVICE) for _ in range(2)]
+    s0 = torch.randn(4, 2, K, V, generator=gen, device=DEVICE)
+    for pool in pools:
+        load_states(pool, slots, s0, backend="triton")
+    launches = [LaunchConfig(close_bv=16, close_token_scratch=t) for t in (True, False)]
+    for _ in range(9):  # two window closes
+        x = tokens(family, 4, 1, 2, gen)
+        outs = [leapquant_decode(p, slots, *x, backend="triton", launch=lc) for p, lc in zip(pools, launches)]
+        assert torch.equal(outs[0], outs[1])
+    for name, t in pools[0].tensors.items():
+        assert torch.equal(t.view(torch.uint8), pools[1].tensors[name].view(torch.uint8)), name
+
+
+@pytest.mark.parametrize(
     ("family", "residual", "window", "rank", "magnitude"),
     [
         pytest.param("gdn", "int8", 4, 2, 1.0, id="gdn-int8"),

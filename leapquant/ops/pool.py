@@ -223,6 +223,14 @@ class LeapQuantPool:
             )
         return self.__dict__["_close_list"]
 
+    def close_scratch(self, numel: int) -> torch.Tensor:
+        """Kernel workspace: at least ``numel`` fp16 of the window close's per-program token values (grown on
+        demand, so a CUDA graph captures it after its first warm-up call)."""
+        have = self.__dict__.get("_close_scratch")
+        if have is None or have.numel() < numel:
+            self.__dict__["_close_scratch"] = torch.empty(numel, dtype=torch.float16, device=self.device)
+        return self.__dict__["_close_scratch"]
+
     def side_stream(self) -> torch.cuda.Stream:
         """The high-priority CUDA stream the window closes run on beside the step (``overlap_close``)."""
         if "_side_stream" not in self.__dict__:

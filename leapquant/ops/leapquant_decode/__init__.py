@@ -57,6 +57,9 @@ class LaunchConfig:
             do not close (``_launch_step``); False: step, then close.
         close_maxnreg: register cap per thread of the close (``None``: the compiler's choice); a lower cap
             lets more close programs share a multiprocessor, at the price of a few spills.
+        close_token_scratch: with smoothing, the close's smoothing pass keeps the token values it computes
+            in a per-program scratch (``[programs, R, V]`` fp16, ``LeapQuantPool.close_scratch``) and its
+            quantization pass reads them back instead of computing them again (the same values, bit for bit).
     """
 
     step_bv: int = 32
@@ -73,6 +76,7 @@ class LaunchConfig:
     close_programs_per_sm: int = 4
     overlap_close: bool = True
     close_maxnreg: int | None = 128
+    close_token_scratch: bool = True
 
     @classmethod
     def tuned(cls, decay: str, compensators: int = 4) -> LaunchConfig:
@@ -271,8 +275,10 @@ def _launch_close(pool: LeapQuantPool, n: int, launch: LaunchConfig) -> None:
     tensors, shape = _close_args(pool)
     list_, count = pool.close_list()
     grid = _close_grid(pool, n, launch.close_programs_per_sm)
+    scratch = launch.close_token_scratch and cfg.smoothing and cfg.compensators > 0
     close_kernel[(grid,)](
-        list_, count, *tensors, ITERS=cfg.power_iters, maxnreg=launch.close_maxnreg, **shape,
+        list_, count, *tensors, pool.close_scratch(grid * cfg.compensators * cfg.d_v) if scratch else list_,
+        ITERS=cfg.power_iters, TOKEN_SCRATCH=scratch, maxnreg=launch.close_maxnreg, **shape,
         **_close_shape(pool, launch),
     )  # fmt: skip
 

@@ -258,27 +258,40 @@ def _start_value(
 
 
 @triton.jit
-def _minus_tokens(b_rows, b_qk, o_r, o_v, i_s, comp_u, R: tl.constexpr, V: tl.constexpr, STORE: tl.constexpr):
+def _minus_tokens(b_rows, b_qk, o_r, o_v, p_u, R: tl.constexpr, V: tl.constexpr, STORE: tl.constexpr):
     """``S - U16 Q16^T`` on a chunk: token ``r``'s values ``U_r = S Q_r`` (from the unmodified rows, fp16)
-    times its fp16 key, subtracted; ``STORE`` writes ``U_r`` into the pool.  Each value vector stays in the
-    rows' own layout: no small tiles to assemble or take apart."""
+    times its fp16 key, subtracted; ``STORE`` writes ``U_r`` to ``p_u + r V + o_v``.  Each value vector stays
+    in the rows' own layout: no small tiles to assemble or take apart."""
     b_res = b_rows
     for r in tl.static_range(R):
         b_q = _row(b_qk, o_r, r)
         b_cu16 = tl.sum(b_rows * b_q[None, :], 1).to(tl.float16)
         b_res -= b_cu16.to(tl.float32)[:, None] * b_q.to(tl.float16).to(tl.float32)[None, :]
         if STORE:
-            tl.store(comp_u + (i_s * R + r) * V + o_v, b_cu16)
+            tl.store(p_u + r * V + o_v, b_cu16)
+    return b_res
+
+
+@triton.jit
+def _minus_stored_tokens(b_rows, b_qk, o_r, o_v, p_from, p_u, R: tl.constexpr, V: tl.constexpr):
+    """:func:`_minus_tokens` with the token values an earlier pass computed from the same rows and wrote to
+    ``p_from`` (bit for bit the values it would compute), copied to ``p_u``: no reductions."""
+    b_res = b_rows
+    for r in tl.static_range(R):
+        b_q = _row(b_qk, o_r, r)
+        b_cu16 = tl.load(p_from + r * V + o_v)
+        b_res -= b_cu16.to(tl.float32)[:, None] * b_q.to(tl.float16).to(tl.float32)[None, :]
+        tl.store(p_u + r * V + o_v, b_cu16)
     return b_res
 
 
 @triton.jit
 def _requantize(
     i_s, p_dense, b_end, b_col, b_w, b_khi, b_klo, count, payload, scale_v, smooth, comp_k, comp_u, rec_u,
-    smooth_floor, qmax, K: tl.constexpr, V: tl.constexpr, P: tl.constexpr, R: tl.constexpr, BV: tl.constexpr,
-    BR: tl.constexpr, BP: tl.constexpr, ITERS: tl.constexpr, RESIDUAL: tl.constexpr, SMOOTH: tl.constexpr,
-    DENSE: tl.constexpr, DENSE_KV: tl.constexpr, WARM: tl.constexpr, VECTOR_DECAY: tl.constexpr,
-    REC16: tl.constexpr,
+    p_tok, smooth_floor, qmax, K: tl.constexpr, V: tl.constexpr, P: tl.constexpr, R: tl.constexpr,
+    BV: tl.constexpr, BR: tl.constexpr, BP: tl.constexpr, ITERS: tl.constexpr, RESIDUAL: tl.constexpr,
+    SMOOTH: tl.constexpr, DENSE: tl.constexpr, DENSE_KV: tl.constexpr, WARM: tl.constexpr,
+    VECTOR_DECAY: tl.constexpr, REC16: tl.constexpr, TOKEN_SCRATCH: tl.constexpr,
 ):  # fmt: skip
     """Fit the tokens, smooth and quantize the state of head ``i_s`` into its own pool entries.
 
@@ -286,7 +299,9 @@ def _requantize(
     ``Q = orth(S_kv U0)``, then ``ITERS - 1`` times ``Q = orth(S_kv S_kv^T Q)``; token values
     ``U = S_kv^T Q`` from the unmodified state, both stored fp16; the residual ``S - Q16^T U16`` smoothed by
     ``c_k = sqrt(mean_v |R_vk|)`` and quantized with per-value-channel scales.  Same arithmetic as
-    ``naive._compress``; sums run in other orders.
+    ``naive._compress``; sums run in other orders.  ``TOKEN_SCRATCH`` (with smoothing): the smoothing pass
+    writes the token values to ``p_tok [R, V]`` fp16 and the quantization pass reads them back instead of
+    computing them again.
     """
     o_k = tl.arange(0, K)
     o_b = tl.arange(0, BV)
@@ -333,8 +348,10 @@ def _requantize(
                 rec_u, K, V, P, R, BP, RESIDUAL, DENSE, DENSE_KV, VECTOR_DECAY, REC16,
             )  # fmt: skip
             if R > 0:
-                b_rows = _minus_tokens(b_rows, b_qk, o_r, o_v, i_s, comp_u, R, V, False)
+                b_rows = _minus_tokens(b_rows, b_qk, o_r, o_v, p_tok, R, V, TOKEN_SCRATCH)
             b_csum += tl.sum(tl.abs(b_rows), 0)
+        if TOKEN_SCRATCH:
+            tl.debug_barrier()  # the scratch's token values, written by other threads, are read below
         b_c = tl.maximum(tl.sqrt(b_csum / V), smooth_floor)
         b_rc = tl.math.div_rn(tl.full([K], 1.0, tl.float32), b_c)
         c_fast = (tl.min(b_c) >= FAST_C_MIN) & (tl.max(b_c) <= FAST_MAX)
@@ -345,7 +362,10 @@ def _requantize(
             rec_u, K, V, P, R, BP, RESIDUAL, DENSE, DENSE_KV, VECTOR_DECAY, REC16,
         )  # fmt: skip
         if R > 0:
-            b_rows = _minus_tokens(b_rows, b_qk, o_r, o_v, i_s, comp_u, R, V, True)
+            if TOKEN_SCRATCH and SMOOTH:
+                b_rows = _minus_stored_tokens(b_rows, b_qk, o_r, o_v, p_tok, comp_u + i_s * R * V, R, V)
+            else:
+                b_rows = _minus_tokens(b_rows, b_qk, o_r, o_v, comp_u + i_s * R * V, R, V, True)
         _store_rows(b_rows, b_c, b_rc, c_fast, payload, scale_v, i_s, o_v, qmax, K, V, BV, RESIDUAL, SMOOTH)
     tl.debug_barrier()  # every chunk has been rebuilt with the old token keys
     if R > 0:
@@ -358,13 +378,14 @@ def _requantize(
 @triton.jit(do_not_specialize=["smooth_floor", "qmax"])
 def close_kernel(
     close_list, close_count, payload, scale_v, smooth, comp_k, comp_u, rec_g, rec_k, rec_u, pos,
-    smooth_floor, qmax,
+    smooth_floor, qmax, token_scratch,
     K: tl.constexpr, V: tl.constexpr, P: tl.constexpr, R: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr,
     BP: tl.constexpr, ITERS: tl.constexpr, RESIDUAL: tl.constexpr, SMOOTH: tl.constexpr,
-    VECTOR_DECAY: tl.constexpr, REC16: tl.constexpr,
+    VECTOR_DECAY: tl.constexpr, REC16: tl.constexpr, TOKEN_SCRATCH: tl.constexpr,
 ):  # fmt: skip
     """Persistent: program ``pid`` closes list entries ``pid, pid + grid, ...`` (heads that just filled their
-    window; ``BR``: ``R`` rounded up to a power of two; ``BP``: ``P`` rounded up, at least 16)."""
+    window; ``BR``: ``R`` rounded up to a power of two; ``BP``: ``P`` rounded up, at least 16);
+    ``token_scratch``: ``[grid, R, V]`` fp16, one head's token values per program (``TOKEN_SCRATCH``)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     count = tl.load(close_count)
@@ -375,8 +396,8 @@ def close_kernel(
         )
         _requantize(
             i_s, payload, b_end, b_col, b_w, b_khi, b_klo, P, payload, scale_v, smooth, comp_k, comp_u, rec_u,
-            smooth_floor, qmax, K, V, P, R, BV, BR, BP, ITERS, RESIDUAL, SMOOTH, False, False, True,
-            VECTOR_DECAY, REC16,
+            token_scratch + pid * R * V, smooth_floor, qmax, K, V, P, R, BV, BR, BP, ITERS, RESIDUAL, SMOOTH,
+            False, False, True, VECTOR_DECAY, REC16, TOKEN_SCRATCH,
         )  # fmt: skip
         tl.store(pos + i_s, 0)
         tl.debug_barrier()  # the next head's first loads must not pass this head's last stores
@@ -408,8 +429,8 @@ def boundary_kernel(
         b_0 = tl.zeros([K], dtype=tl.float32)  # no factors: rows come from the dense state
         _requantize(
             i_s, p_dense, b_0, b_0, b_0, b_0, b_0, 0, payload, scale_v, smooth, comp_k, comp_u, rec_u,
-            smooth_floor, qmax, K, V, P, R, BV, BR, BP, ITERS, RESIDUAL, SMOOTH, True, DENSE_KV, False,
-            VECTOR_DECAY, REC16,
+            comp_u, smooth_floor, qmax, K, V, P, R, BV, BR, BP, ITERS, RESIDUAL, SMOOTH, True, DENSE_KV,
+            False, VECTOR_DECAY, REC16, False,
         )  # fmt: skip
         tl.store(pos + i_s, 0)
     else:
