@@ -364,30 +364,34 @@ def test_close_matches_reference_across_fit_options(family, residual, rank, smoo
     assert rel(dense[0], dense[1]) < 0.5 * rel(dense[1], dense[2])
 
 
-@pytest.mark.parametrize(
-    ("family", "residual", "rank"),
-    [
-        pytest.param("gdn", "int8", 4, id="gdn-int8-r4"),
-        pytest.param("kda", "int4", 8, id="kda-int4-r8"),
-        pytest.param("gdn", "fp8-e4m3", 3, id="gdn-fp8-r3"),
-    ],
-)
-def test_close_token_scratch_changes_no_bit(family, residual, rank):
+SCRATCH_CASES = [
+    # family, residual, tokens, value heads, slots, close programs per SM
+    pytest.param("gdn", "int8", 4, 2, 4, 4, id="gdn-int8-r4"),
+    pytest.param("kda", "int4", 8, 2, 4, 4, id="kda-int4-r8"),
+    pytest.param("gdn", "fp8-e4m3", 3, 2, 4, 4, id="gdn-fp8-r3"),
+]
+if FULL:  # more closing heads than programs: every program reuses its scratch for several heads
+    SCRATCH_CASES += [pytest.param("kda", "int8", 4, 64, 6, 1, id="kda-int8-r4-384-heads-full")]
+
+
+@pytest.mark.parametrize(("family", "residual", "rank", "hv", "n", "programs"), SCRATCH_CASES)
+def test_close_token_scratch_changes_no_bit(family, residual, rank, hv, n, programs):
     """The close's quantization pass reading the token values its smoothing pass kept in the scratch leaves
     the pool exactly as computing them again does, over several windows and in several row chunks."""
     from leapquant.ops.leapquant_decode import LaunchConfig
 
     gen = torch.Generator(device=DEVICE).manual_seed(rank)
-    cfg = PoolConfig(heads=2, d_k=K, d_v=V, window=4, compensators=rank, smoothing=True, residual=residual,
+    cfg = PoolConfig(heads=hv, d_k=K, d_v=V, window=4, compensators=rank, smoothing=True, residual=residual,
                      decay="vector" if family == "kda" else "scalar")  # fmt: skip
-    slots = torch.tensor([3, -1, 0, 1], dtype=torch.int32, device=DEVICE)
-    pools = [LeapQuantPool.allocate(cfg, 5, DEVICE) for _ in range(2)]
-    s0 = torch.randn(4, 2, K, V, generator=gen, device=DEVICE)
+    slots = torch.tensor([n + 1, -1, *range(n - 2)], dtype=torch.int32, device=DEVICE)
+    pools = [LeapQuantPool.allocate(cfg, n + 2, DEVICE) for _ in range(2)]
+    s0 = torch.randn(n, hv, K, V, generator=gen, device=DEVICE)
     for pool in pools:
         load_states(pool, slots, s0, backend="triton")
-    launches = [LaunchConfig(close_bv=16, close_token_scratch=t) for t in (True, False)]
+    launches = [LaunchConfig(close_bv=16, close_programs_per_sm=programs, close_token_scratch=t)
+                for t in (True, False)]  # fmt: skip
     for _ in range(9):  # two window closes
-        x = tokens(family, 4, 1, 2, gen)
+        x = tokens(family, n, 1, hv, gen)
         outs = [leapquant_decode(p, slots, *x, backend="triton", launch=lc) for p, lc in zip(pools, launches)]
         assert torch.equal(outs[0], outs[1])
     for name, t in pools[0].tensors.items():
@@ -450,3 +454,17 @@ def test_tensor_core_step_matches_cuda_core_step(family, residual, window, rank,
     out = leapquant_decode(pools["tc"], slots, q, k, v, g, beta, backend="triton", launch=launches["tc"])
     assert not torch.isfinite(out[2, : hv // 2]).any()
     assert torch.isfinite(out[0]).all()
+
+
+def test_close_scratch_outlives_a_larger_request():
+    """A CUDA graph captured before the close scratch grew still writes to the old buffer: the pool keeps
+    it alive."""
+    import gc
+    import weakref
+
+    pool = LeapQuantPool.allocate(PoolConfig(heads=2, d_k=K, d_v=V, window=4, compensators=2), 3, DEVICE)
+    first = weakref.ref(pool.close_scratch(64))
+    assert pool.close_scratch(32).numel() == 64  # big enough: the same buffer
+    assert pool.close_scratch(128).numel() == 128
+    gc.collect()
+    assert first() is not None

@@ -364,6 +364,8 @@ def _tune(case, launch, measure, report, con, *, step: bool = True, close: bool 
     shape on ``variant``, then whether its token-value scratch pays."""
     from dataclasses import replace
 
+    from ..ops.pool import PoolConfig
+
     best, best_ms = launch, float("inf")
     shapes = [replace(launch, step_mma=True, step_tc_bv=bv, step_tc_warps=w, step_tc_stages=st,
                       step_tc_maxnreg=reg) for bv, w, st, reg in TC_STEP_SHAPES]  # fmt: skip
@@ -385,7 +387,8 @@ def _tune(case, launch, measure, report, con, *, step: bool = True, close: bool 
         if "error" not in row and row["ms"] < best_ms:
             chosen, best_ms = shape, row["ms"]
         con.print(f"tune {case.family} close {shape}: {row.get('ms', float('nan')) * 1e3:.1f} us")
-    if close:  # the chosen shape without the token-value scratch: what it buys, in the same run
+    cfg = PoolConfig.from_method(variant, case.heads)
+    if close and cfg.smoothing and cfg.compensators:  # the chosen shape without the token-value scratch
         shape = replace(chosen, close_token_scratch=False)
         row = measure(variant, case, shape)
         report["tuning"].append(row)

@@ -224,10 +224,13 @@ class LeapQuantPool:
         return self.__dict__["_close_list"]
 
     def close_scratch(self, numel: int) -> torch.Tensor:
-        """Kernel workspace: at least ``numel`` fp16 of the window close's per-program token values (grown on
-        demand, so a CUDA graph captures it after its first warm-up call)."""
+        """Kernel workspace: at least ``numel`` fp16 of the window close's per-program token values.  Grown on
+        demand; a buffer it outgrows is kept, not freed, because a CUDA graph captured earlier still writes to
+        it (a few hundred KB: one head's token values per close program)."""
         have = self.__dict__.get("_close_scratch")
         if have is None or have.numel() < numel:
+            if have is not None:
+                self.__dict__.setdefault("_close_scratch_outgrown", []).append(have)
             self.__dict__["_close_scratch"] = torch.empty(numel, dtype=torch.float16, device=self.device)
         return self.__dict__["_close_scratch"]
 

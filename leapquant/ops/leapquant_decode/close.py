@@ -273,15 +273,15 @@ def _minus_tokens(b_rows, b_qk, o_r, o_v, p_u, R: tl.constexpr, V: tl.constexpr,
 
 
 @triton.jit
-def _minus_stored_tokens(b_rows, b_qk, o_r, o_v, p_from, p_u, R: tl.constexpr, V: tl.constexpr):
+def _minus_stored_tokens(b_rows, b_qk, o_r, o_v, p_from, R: tl.constexpr, V: tl.constexpr):
     """:func:`_minus_tokens` with the token values an earlier pass computed from the same rows and wrote to
-    ``p_from`` (bit for bit the values it would compute), copied to ``p_u``: no reductions."""
+    ``p_from`` (bit for bit the values it would compute): no reductions.  The caller copies them into the
+    pool after its last rebuild (this chunk's rows may still be read, with the old values, by other warps)."""
     b_res = b_rows
     for r in tl.static_range(R):
         b_q = _row(b_qk, o_r, r)
         b_cu16 = tl.load(p_from + r * V + o_v)
         b_res -= b_cu16.to(tl.float32)[:, None] * b_q.to(tl.float16).to(tl.float32)[None, :]
-        tl.store(p_u + r * V + o_v, b_cu16)
     return b_res
 
 
@@ -363,14 +363,18 @@ def _requantize(
         )  # fmt: skip
         if R > 0:
             if TOKEN_SCRATCH and SMOOTH:
-                b_rows = _minus_stored_tokens(b_rows, b_qk, o_r, o_v, p_tok, comp_u + i_s * R * V, R, V)
+                b_rows = _minus_stored_tokens(b_rows, b_qk, o_r, o_v, p_tok, R, V)
             else:
                 b_rows = _minus_tokens(b_rows, b_qk, o_r, o_v, comp_u + i_s * R * V, R, V, True)
         _store_rows(b_rows, b_c, b_rc, c_fast, payload, scale_v, i_s, o_v, qmax, K, V, BV, RESIDUAL, SMOOTH)
-    tl.debug_barrier()  # every chunk has been rebuilt with the old token keys
+    tl.debug_barrier()  # every chunk has been rebuilt with the old token keys (and values, for the scratch)
     if R > 0:
         p_ck = comp_k + (i_s * R + o_r[:, None]) * K + o_k[None, :]
         tl.store(p_ck, b_qk.to(tl.float16), mask=mask_r[:, None])
+        if TOKEN_SCRATCH and SMOOTH:
+            o_vv = tl.arange(0, V)
+            b_cu = tl.load(p_tok + o_r[:, None] * V + o_vv[None, :], mask=mask_r[:, None], other=0)
+            tl.store(comp_u + (i_s * R + o_r[:, None]) * V + o_vv[None, :], b_cu, mask=mask_r[:, None])
     if SMOOTH:
         tl.store(smooth + i_s * K + o_k, b_c)
 
