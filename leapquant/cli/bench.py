@@ -387,8 +387,8 @@ def _tune(case, launch, measure, report, con, *, step: bool = True, close: bool 
         if "error" not in row and row["ms"] < best_ms:
             chosen, best_ms = shape, row["ms"]
         con.print(f"tune {case.family} close {shape}: {row.get('ms', float('nan')) * 1e3:.1f} us")
-    cfg = PoolConfig.from_method(variant, case.heads)
-    if close and cfg.smoothing and cfg.compensators:  # the chosen shape without the token-value scratch
+    cfg = PoolConfig.from_method(variant, case.heads) if close else None
+    if cfg is not None and cfg.smoothing and cfg.compensators:  # the chosen shape without the scratch
         shape = replace(chosen, close_token_scratch=False)
         row = measure(variant, case, shape)
         report["tuning"].append(row)

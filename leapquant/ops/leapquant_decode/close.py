@@ -258,30 +258,23 @@ def _start_value(
 
 
 @triton.jit
-def _minus_tokens(b_rows, b_qk, o_r, o_v, p_u, R: tl.constexpr, V: tl.constexpr, STORE: tl.constexpr):
+def _minus_tokens(b_rows, b_qk, o_r, o_v, p_u, R: tl.constexpr, V: tl.constexpr, STORE: tl.constexpr,
+                  LOAD: tl.constexpr):  # fmt: skip
     """``S - U16 Q16^T`` on a chunk: token ``r``'s values ``U_r = S Q_r`` (from the unmodified rows, fp16)
-    times its fp16 key, subtracted; ``STORE`` writes ``U_r`` to ``p_u + r V + o_v``.  Each value vector stays
-    in the rows' own layout: no small tiles to assemble or take apart."""
+    times its fp16 key, subtracted.  ``STORE`` writes ``U_r`` to ``p_u + r V + o_v``; ``LOAD`` reads it from
+    there instead of computing it (an earlier pass stored it from the same rows: bit for bit the same
+    values, and no reductions).  Each value vector stays in the rows' own layout: no small tiles to
+    assemble or take apart."""
     b_res = b_rows
     for r in tl.static_range(R):
         b_q = _row(b_qk, o_r, r)
-        b_cu16 = tl.sum(b_rows * b_q[None, :], 1).to(tl.float16)
+        if LOAD:
+            b_cu16 = tl.load(p_u + r * V + o_v)
+        else:
+            b_cu16 = tl.sum(b_rows * b_q[None, :], 1).to(tl.float16)
         b_res -= b_cu16.to(tl.float32)[:, None] * b_q.to(tl.float16).to(tl.float32)[None, :]
         if STORE:
             tl.store(p_u + r * V + o_v, b_cu16)
-    return b_res
-
-
-@triton.jit
-def _minus_stored_tokens(b_rows, b_qk, o_r, o_v, p_from, R: tl.constexpr, V: tl.constexpr):
-    """:func:`_minus_tokens` with the token values an earlier pass computed from the same rows and wrote to
-    ``p_from`` (bit for bit the values it would compute): no reductions.  The caller copies them into the
-    pool after its last rebuild (this chunk's rows may still be read, with the old values, by other warps)."""
-    b_res = b_rows
-    for r in tl.static_range(R):
-        b_q = _row(b_qk, o_r, r)
-        b_cu16 = tl.load(p_from + r * V + o_v)
-        b_res -= b_cu16.to(tl.float32)[:, None] * b_q.to(tl.float16).to(tl.float32)[None, :]
     return b_res
 
 
@@ -348,7 +341,7 @@ def _requantize(
                 rec_u, K, V, P, R, BP, RESIDUAL, DENSE, DENSE_KV, VECTOR_DECAY, REC16,
             )  # fmt: skip
             if R > 0:
-                b_rows = _minus_tokens(b_rows, b_qk, o_r, o_v, p_tok, R, V, TOKEN_SCRATCH)
+                b_rows = _minus_tokens(b_rows, b_qk, o_r, o_v, p_tok, R, V, TOKEN_SCRATCH, False)
             b_csum += tl.sum(tl.abs(b_rows), 0)
         if TOKEN_SCRATCH:
             tl.debug_barrier()  # the scratch's token values, written by other threads, are read below
@@ -362,10 +355,10 @@ def _requantize(
             rec_u, K, V, P, R, BP, RESIDUAL, DENSE, DENSE_KV, VECTOR_DECAY, REC16,
         )  # fmt: skip
         if R > 0:
-            if TOKEN_SCRATCH and SMOOTH:
-                b_rows = _minus_stored_tokens(b_rows, b_qk, o_r, o_v, p_tok, R, V)
+            if TOKEN_SCRATCH and SMOOTH:  # the pool's values are copied after the last rebuild (below)
+                b_rows = _minus_tokens(b_rows, b_qk, o_r, o_v, p_tok, R, V, False, True)
             else:
-                b_rows = _minus_tokens(b_rows, b_qk, o_r, o_v, comp_u + i_s * R * V, R, V, True)
+                b_rows = _minus_tokens(b_rows, b_qk, o_r, o_v, comp_u + i_s * R * V, R, V, True, False)
         _store_rows(b_rows, b_c, b_rc, c_fast, payload, scale_v, i_s, o_v, qmax, K, V, BV, RESIDUAL, SMOOTH)
     tl.debug_barrier()  # every chunk has been rebuilt with the old token keys (and values, for the scratch)
     if R > 0:
