@@ -1,8 +1,9 @@
 """Compile the decode kernels for sm_90 on a machine without a GPU and print registers, spills and shared
 memory (from the ptxas/cuobjdump that ship with Triton). Catches compile errors and register pressure before
-spending device time.
+spending device time. ``--sass`` adds static SASS counts of each close (instructions, local loads and stores
+of spills, barriers, shuffles, tensor-core ops): what BENCHMARKS.md quotes for the close trials.
 
-    python scripts/kernel_resources.py
+    python scripts/kernel_resources.py [--sass]
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 import tempfile
 
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton's GPU default; silences a 3.9 warning
@@ -22,6 +24,7 @@ from leapquant.ops.leapquant_decode import close as cc
 from leapquant.ops.leapquant_decode import fused_recurrent as lq
 
 TARGET = GPUTarget("cuda", 90, 32)
+SASS = "--sass" in sys.argv[1:]
 PAYLOAD = {0: "*fp32", 1: "*bf16", 2: "*i8", 3: "*fp8e4nv", 4: "*u8"}
 
 
@@ -46,9 +49,15 @@ def resources(kernel, pointers: dict, scalars: dict, consts: dict, warps: int, m
         f.write(compiled.asm["cubin"])
     tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
     out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout if SASS else ""
     os.unlink(f.name)
     reg, stack = re.search(r"REG:(\d+)", out).group(1), re.search(r"STACK:(\d+)", out).group(1)
-    return f"registers {reg}, stack (spills) {stack} B, shared {compiled.metadata.shared} B"
+    text = f"registers {reg}, stack (spills) {stack} B, shared {compiled.metadata.shared} B"
+    if SASS:
+        lines = [line for line in sass.splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/", line)]
+        counts = {op: sum(op in line for line in lines) for op in ("LDL", "STL", "BAR", "SHFL", "HMMA")}
+        text += f"; SASS {len(lines)} instructions, " + ", ".join(f"{k} {v}" for k, v in counts.items())
+    return text
 
 
 def main() -> None:
