@@ -224,3 +224,26 @@ def test_roofline_and_the_where_the_time_goes_table(tmp_path):
         row["profile"] = {"by_class_ms": {"gemm": 0.5}, "gaps_ms": 0.1}
     text = decode_markdown(report)
     assert "Where the time goes" in text and text.count("| qwen35-9b-tiny | 8 | 2 |") == 2
+
+
+def test_kernel_breakdown_groups_kernels_by_name_and_stream_per_step(monkeypatch):
+    """``bench kernel --breakdown``: a profiled trace of several steps becomes, per (kernel, stream), the
+    launches and device time per step and where in the step the kernel runs."""
+    from leapquant.bench import timing
+
+    spans, t = [], 0.0
+    for _ in range(3):  # three steps: a side-stream kernel overlapping a main-stream one, then another
+        spans += [
+            {"name": "step", "stream": 7, "start": t, "end": t + 10.0},
+            {"name": "close", "stream": 14, "start": t + 2.0, "end": t + 14.0},
+            {"name": "step", "stream": 14, "start": t + 14.0, "end": t + 16.0},
+        ]
+        t += 20.0
+    monkeypatch.setattr(timing, "profiled_kernels", lambda fn: ("graph", spans))
+    bd = timing.kernel_breakdown(lambda i: None, 3)
+    assert bd["mode"] == "graph" and bd["span_us"] == pytest.approx(56.0 / 3)
+    rows = {(k["kernel"], k["stream"]): k for k in bd["kernels"]}
+    assert [k["kernel"] for k in bd["kernels"]] == ["close", "step", "step"]  # slowest first
+    assert rows[("close", 14)]["us"] == 12.0 and rows[("close", 14)]["launches"] == 1.0
+    assert (rows[("close", 14)]["start_us"], rows[("close", 14)]["end_us"]) == (2.0, 14.0)
+    assert rows[("step", 14)]["us"] == 2.0 and rows[("step", 7)]["us"] == 10.0

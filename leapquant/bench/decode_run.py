@@ -79,23 +79,6 @@ def _time(fn, device: torch.device, opts: dict) -> dict:
     return {"ms": statistics.median(times), "ms_min": min(times), "ms_max": max(times), "graph": False}
 
 
-def _capture(fn):
-    """One step captured in a CUDA graph (after a warm-up on a side stream), or None if capture fails."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph):
-            fn()
-    except RuntimeError:
-        torch.cuda.synchronize()
-        return None
-    return graph
-
-
 def classify(name: str) -> str:
     """Kernel name -> ``state``, ``attention``, ``gemm`` or ``other``."""
     for cls, pattern in KERNEL_CLASSES:
@@ -107,24 +90,10 @@ def classify(name: str) -> str:
 def profile_step(fn) -> dict:
     """Kernel time of one step by class, busy time and the gaps between kernels (one profiled graph replay;
     an eager step if the trace of the replay holds no kernels)."""
-    from torch.profiler import ProfilerActivity, profile
+    from .timing import profiled_kernels
 
-    graph = _capture(fn)
-    for mode in ("graph", "eager"):
-        if mode == "graph" and graph is None:
-            continue
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            graph.replay() if mode == "graph" else fn()
-            torch.cuda.synchronize()
-        spans = sorted(
-            (e.time_range.start, e.time_range.end, e.name)
-            for e in prof.events()
-            if "CUDA" in str(e.device_type) and not getattr(e, "is_user_annotation", False)
-        )
-        if spans:
-            break
-    del graph
+    mode, traced = profiled_kernels(fn)
+    spans = [(sp["start"], sp["end"], sp["name"]) for sp in traced]
     if not spans:
         return {"error": "the profiler recorded no kernels"}
     by_class: dict[str, float] = {}

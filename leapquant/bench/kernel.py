@@ -168,9 +168,11 @@ def bench_variant(
     device: str = "cuda",
     seed: int = 0,
     use_graph: bool = True,
+    breakdown: bool = False,
 ) -> dict:
-    """Time one variant on one case; returns a JSON-ready row."""
-    from .timing import time_steps
+    """Time one variant on one case; returns a JSON-ready row (``breakdown``: with each kernel's device
+    time and place in a profiled step, ``timing.kernel_breakdown``)."""
+    from .timing import kernel_breakdown, time_steps
 
     gen = torch.Generator(device=device).manual_seed(seed)
     state_bytes = state_bytes_per_step(variant, case)
@@ -212,6 +214,8 @@ def bench_variant(
 
         io = case.io_bytes()
     timing = time_steps(step, rotations, use_graph=use_graph)
+    if breakdown:
+        timing["breakdown"] = kernel_breakdown(step, rotations)
     total = state_bytes + io
     return {
         "variant": variant,

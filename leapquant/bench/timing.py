@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["copy_bandwidth", "time_steps"]
+__all__ = ["copy_bandwidth", "kernel_breakdown", "time_steps"]
 
 
 def _events_ms(fn: Callable[[], None], repeats: int) -> list[float]:
@@ -90,3 +90,89 @@ def time_steps(
         "ms_max": max(times),
         "graph": graph is not None,
     }
+
+
+def capture_graph(fn: Callable[[], None]):
+    """``fn`` captured in a CUDA graph (after a warm-up call on a side stream), or None if capture fails."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+    except RuntimeError:
+        torch.cuda.synchronize()
+        return None
+    return graph
+
+
+def _span(event: dict) -> dict:
+    start = float(event["ts"])
+    stream = int(event.get("args", {}).get("stream", -1))
+    return {"name": event["name"], "stream": stream, "start": start, "end": start + float(event["dur"])}
+
+
+def profiled_kernels(fn: Callable[[], None]) -> tuple[str, list[dict]]:
+    """The kernels one call of ``fn`` runs, from the PyTorch profiler: a replay of its CUDA graph, or an eager
+    call where capture fails or the replay's trace holds no kernels.  Returns ``(mode, spans)``, each span
+    ``{"name", "stream", "start", "end"}`` in microseconds, in start order."""
+    import json
+    import os
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    graph = capture_graph(fn)
+    spans: list[dict] = []
+    for mode in ("graph", "eager"):
+        if mode == "graph" and graph is None:
+            continue
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            graph.replay() if mode == "graph" else fn()
+            torch.cuda.synchronize()
+        fd, path = tempfile.mkstemp(suffix=".json")
+        os.close(fd)
+        try:
+            prof.export_chrome_trace(path)
+            with open(path) as f:
+                events = json.load(f)["traceEvents"]
+        finally:
+            os.unlink(path)
+        spans = sorted((_span(e) for e in events if e.get("cat") == "kernel"), key=lambda sp: sp["start"])
+        if spans:
+            break
+    del graph
+    return mode, spans
+
+
+def kernel_breakdown(step: Callable[[int], None], rotations: int) -> dict:
+    """Where one step's time goes: ``step(i)`` for every rotation, profiled (``profiled_kernels``).
+
+    Returns ``{"mode", "span_us", "kernels"}``: the wall span per step from the first kernel's start to the
+    last one's end, and per (kernel name, stream), slowest first, ``{"kernel", "stream", "launches", "us",
+    "start_us", "end_us"}``: launches and summed device time per step, and when the kernel runs inside the
+    step (mean offsets from the step's first kernel), which shows what overlaps on the two streams.
+    """
+    mode, spans = profiled_kernels(lambda: [step(i) for i in range(rotations)])
+    if not spans:
+        return {"mode": mode, "error": "the profiler recorded no kernels"}
+    per_step = len(spans) // rotations if len(spans) % rotations == 0 else None
+    groups: dict[tuple[str, int], list[dict]] = {}
+    for j, sp in enumerate(spans):
+        origin = spans[(j // per_step) * per_step]["start"] if per_step else spans[0]["start"]
+        groups.setdefault((sp["name"], sp["stream"]), []).append(
+            {"dur": sp["end"] - sp["start"], "start": sp["start"] - origin, "end": sp["end"] - origin}
+        )
+    kernels = []
+    for (name, stream), g in groups.items():
+        kernels.append({
+            "kernel": name, "stream": stream, "launches": len(g) / rotations,
+            "us": sum(x["dur"] for x in g) / rotations, "start_us": statistics.mean(x["start"] for x in g),
+            "end_us": statistics.mean(x["end"] for x in g),
+        })  # fmt: skip
+    span = (max(sp["end"] for sp in spans) - spans[0]["start"]) / rotations
+    return {"mode": mode, "span_us": span, "kernels": sorted(kernels, key=lambda k: -k["us"])}

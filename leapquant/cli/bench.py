@@ -89,6 +89,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         help="after the variants, run the window/rank sweep (paper Table 3) at batch N",
     )
     k.add_argument("--no-graph", action="store_true", help="time eager launches instead of CUDA graphs")
+    k.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also profile each variant's steps (PyTorch profiler, one graph replay): each kernel's time "
+        "and place in the step, per stream",
+    )
     k.add_argument("--json", metavar="OUT", help="write all rows and provenance as JSON")
     k.add_argument("--markdown", metavar="OUT.md", help="write the table as Markdown")
     k.add_argument("--plot", metavar="OUT.png", help="plot speedup over FLA FP32 against batch size")
@@ -196,6 +202,16 @@ def _ints(text: str, what: str) -> list[int]:
     return values
 
 
+def _print_breakdown(con, what: str, bd: dict) -> None:
+    if "span_us" in bd:
+        con.print(f"  {what}: profiled step ({bd['mode']}) {bd['span_us']:.1f} us")
+    for k in bd.get("kernels", ())[:6]:
+        con.print(
+            f"    {k['kernel'][:40]} (stream {k['stream']}): {k['launches']:.0f}x {k['us']:.1f} us, "
+            f"from {k['start_us']:.1f} to {k['end_us']:.1f} us"
+        )
+
+
 def run_kernel(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
@@ -253,7 +269,8 @@ def run_kernel(args: argparse.Namespace) -> int:
 
     def measure(variant: str, case, shape) -> dict:
         try:
-            row = bench_variant(variant, case, launch=shape, use_graph=not args.no_graph)
+            row = bench_variant(variant, case, launch=shape, use_graph=not args.no_graph,
+                                breakdown=args.breakdown)  # fmt: skip
         except Exception as exc:  # a failing variant must not hide the others' numbers
             row = {
                 "variant": variant,
@@ -265,6 +282,7 @@ def run_kernel(args: argparse.Namespace) -> int:
             return row
         row["copy_fraction"] = row["gbps"] / copy_gbps
         row["launch"] = shape.__dict__
+        _print_breakdown(con, f"{case.family} n={case.n} {variant}", row.get("breakdown", {}))
         return row
 
     for family in families:
