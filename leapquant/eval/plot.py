@@ -6,6 +6,7 @@ from pathlib import Path
 
 __all__ = ["plot_model_state_error", "plot_state_error", "save_figure"]
 
+
 def save_figure(fig, path: str | Path, bbox_inches: str | None = None) -> Path:
     """Lay out, write (creating the folder) and close a matplotlib figure; returns the path."""
     import matplotlib.pyplot as plt
