@@ -1,6 +1,7 @@
 """The factored-start trial's timing (2026-12-03T16:51Z, H200; rows: close-factored-start-in-step-trial.json).
 
-On the GPU machine, from the repository root at the commit that added this file:
+On the GPU machine, from the repository root (the JSON of 16:51Z was written before ``--breakdown`` told a
+step's launches apart by order; it groups them by stream):
 
     git apply --include='leapquant/ops/*' results/close-factored-start-in-step-trial.patch
     python3 results/close-factored-start-in-step-trial-driver.py
@@ -34,6 +35,6 @@ for fam in ("gdn", "kda"):
         print(fam, name, f"{row['ms'] * 1e3:.1f} us graph-timed; profiled {bd['span_us']:.1f} us")
         for k in bd["kernels"][:4]:
             span = f"[{k['start_us']:.1f}, {k['end_us']:.1f}]"
-            print(f"   {k['kernel'][:20]} s{k['stream']} {k['us']:.1f} us {span}")
+            print(f"   {k['kernel'][:20]} #{k['launch']} {k['us']:.1f} us {span}")
 with open(os.path.join(os.environ.get("OUT", "."), "trial.json"), "w") as f:
     json.dump(out, f, indent=1)

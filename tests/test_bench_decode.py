@@ -226,24 +226,25 @@ def test_roofline_and_the_where_the_time_goes_table(tmp_path):
     assert "Where the time goes" in text and text.count("| qwen35-9b-tiny | 8 | 2 |") == 2
 
 
-def test_kernel_breakdown_groups_kernels_by_name_and_stream_per_step(monkeypatch):
-    """``bench kernel --breakdown``: a profiled trace of several steps becomes, per (kernel, stream), the
-    launches and device time per step and where in the step the kernel runs."""
+def test_kernel_breakdown_reports_each_launch_of_a_step(monkeypatch):
+    """``bench kernel --breakdown``: a profiled trace of several steps becomes, per launch of a step (told
+    apart by order, since a graph replay moves a captured stream's kernels between streams), its duration
+    and where in the step it runs."""
     from leapquant.bench import timing
 
     spans, t = [], 0.0
-    for _ in range(3):  # three steps: a side-stream kernel overlapping a main-stream one, then another
+    for i in range(3):  # three steps: a side-stream kernel overlapping a main-stream one, then another
         spans += [
             {"name": "step", "stream": 7, "start": t, "end": t + 10.0},
             {"name": "close", "stream": 14, "start": t + 2.0, "end": t + 14.0},
-            {"name": "step", "stream": 14, "start": t + 14.0, "end": t + 16.0},
+            {"name": "step", "stream": 20 + i % 2, "start": t + 14.0, "end": t + 16.0},
         ]
         t += 20.0
     monkeypatch.setattr(timing, "profiled_kernels", lambda fn: ("graph", spans))
     bd = timing.kernel_breakdown(lambda i: None, 3)
     assert bd["mode"] == "graph" and bd["span_us"] == pytest.approx(56.0 / 3)
-    rows = {(k["kernel"], k["stream"]): k for k in bd["kernels"]}
-    assert [k["kernel"] for k in bd["kernels"]] == ["close", "step", "step"]  # slowest first
-    assert rows[("close", 14)]["us"] == 12.0 and rows[("close", 14)]["launches"] == 1.0
-    assert (rows[("close", 14)]["start_us"], rows[("close", 14)]["end_us"]) == (2.0, 14.0)
-    assert rows[("step", 14)]["us"] == 2.0 and rows[("step", 7)]["us"] == 10.0
+    assert [(k["kernel"], k["launch"]) for k in bd["kernels"]] == [("close", 1), ("step", 1), ("step", 2)]
+    close, first, second = bd["kernels"]
+    assert close["us"] == 12.0 and (close["start_us"], close["end_us"]) == (2.0, 14.0)
+    assert first["us"] == 10.0 and first["streams"] == [7]
+    assert second["us"] == 2.0 and second["streams"] == [20, 21] and second["start_us"] == 14.0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -205,3 +206,28 @@ def test_bench_kernel_refuses_a_tune_variant_without_a_pool(variant, capsys):
     assert main(["bench", "kernel", "--tune", "close", "--tune-variant", variant]) == 2
     err = capsys.readouterr().err
     assert f"--tune-variant {variant!r}: not a pool method" in err
+
+
+def test_bench_report_rebuilds_the_benchmark_tables_from_a_shipped_run(capsys, tmp_path):
+    """``bench report`` turns a shipped ``bench kernel`` JSON into BENCHMARKS.md's tables (the numbers the
+    README quotes) and the plot, and shows the profiled steps of a ``--breakdown`` run."""
+    results = Path(__file__).resolve().parents[1] / "results"
+    assert (
+        main(["bench", "report", str(results / "kernel-h200-1646.json"), "--plot", str(tmp_path / "k.png")])
+        == 0
+    )
+    text = capsys.readouterr().out
+    assert "| `leapquant-int8` | 313 | 107 | 2.32x | 364 | 128 | 1.82x |" in text
+    assert "**Window / rank sweep (paper Table 3)**" in text and (tmp_path / "k.png").stat().st_size > 0
+    assert main(["bench", "report", str(results / "kernel-breakdown-h200-1645.json")]) == 0
+    text = capsys.readouterr().out
+    assert "**Profiled steps**" in text and "| close_kernel (stream 7) | 202.2 | 40.9 - 243.1 |" in text
+
+
+def test_bench_report_names_a_file_that_is_not_a_report(capsys, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"rows": 3}')
+    assert main(["bench", "report", str(bad)]) == 2
+    assert "not a bench kernel report" in capsys.readouterr().err
+    assert main(["bench", "report", str(tmp_path / "missing.json")]) == 2
+    assert "no such file" in capsys.readouterr().err

@@ -20,6 +20,32 @@ def _header(report: dict) -> list[str]:
     ]
 
 
+def _breakdown_lines(rows: list[dict]) -> list[str]:
+    """The profiled steps of rows timed with ``--breakdown``: each launch's device time and place."""
+    profiled = [r for r in rows if "span_us" in r.get("breakdown", {})]
+    if not profiled:
+        return []
+    out = [
+        "",
+        "**Profiled steps** (`--breakdown`: one replay of the step's CUDA graph; each kernel launch of a "
+        "step, its duration and when it runs, from the step's first kernel)",
+        "",
+        "| family | N | variant | step us | kernel (launch) | us | from - to us |",
+        "| --- | ---: | --- | ---: | --- | ---: | --- |",
+    ]
+    for r in profiled:
+        bd = r["breakdown"]
+        for i, k in enumerate(bd["kernels"][:6]):
+            head = f"{r['family']} | {r['n']} | `{r['variant']}` | {bd['span_us']:.1f}"
+            # reports of 2026-12-03 16:36-16:55Z grouped launches by stream instead
+            which = k["launch"] if "launch" in k else f"stream {k['stream']}"
+            out.append(
+                f"| {head if i == 0 else ' | | |'} | {k['kernel'][:40]} ({which}) | {k['us']:.1f} | "
+                f"{k['start_us']:.1f} - {k['end_us']:.1f} |"
+            )
+    return out
+
+
 def kernel_markdown(report: dict) -> str:
     """Every row of a ``bench kernel`` report as one Markdown table, with its provenance."""
     lines = [
@@ -41,6 +67,7 @@ def kernel_markdown(report: dict) -> str:
             f"| {r['family']} | {r['n']} | `{r['variant']}` | {r['ms'] * 1e3:.1f} | {mb:.0f} | "
             f"{r['gbps']:.0f} | {100 * r['copy_fraction']:.0f}% | {speed} |"
         )
+    lines += _breakdown_lines(_ok(report))
     return "\n".join(lines) + "\n"
 
 
@@ -100,6 +127,7 @@ def kernel_summary_markdown(report: dict, n: int = 512) -> str:
                     f"{r['ms'] * 1e3:.0f} | {r.get('speedup_vs_fla_fp32') or 0:.2f}x" if r else " | "
                 )
             out.append(f"| `{v}` | " + " | ".join(cells) + " |")
+    out += _breakdown_lines(rows)
     tuning = [r for r in report.get("tuning", []) if "error" not in r]
     if tuning:
         out += ["", "**Launch-shape tuning** (`--tune`, first batch size)", ""]

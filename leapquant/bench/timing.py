@@ -152,26 +152,32 @@ def profiled_kernels(fn: Callable[[], None]) -> tuple[str, list[dict]]:
 def kernel_breakdown(step: Callable[[int], None], rotations: int) -> dict:
     """Where one step's time goes: ``step(i)`` for every rotation, profiled (``profiled_kernels``).
 
-    Returns ``{"mode", "span_us", "kernels"}``: the wall span per step from the first kernel's start to the
-    last one's end, and per (kernel name, stream), slowest first, ``{"kernel", "stream", "launches", "us",
-    "start_us", "end_us"}``: launches and summed device time per step, and when the kernel runs inside the
-    step (mean offsets from the step's first kernel), which shows what overlaps on the two streams.
+    Returns ``{"mode", "span_us", "kernels"}``: the wall span per step, from the first kernel's start to the
+    last one's end, and one entry per launch of the step, slowest first: ``{"kernel", "launch", "streams",
+    "us", "start_us", "end_us"}``, the ``launch``-th launch of that kernel in the step (in start order), the
+    streams it ran on, its mean duration and when it runs (mean offsets from the step's first kernel): what
+    overlaps what.  Launches are told apart by order, not by stream, because a graph replay puts a
+    captured stream's kernels on different streams from one replay to the next.  A trace whose kernel
+    count is not a multiple of ``rotations`` is reported as one step (``span_us`` still per step).
     """
     mode, spans = profiled_kernels(lambda: [step(i) for i in range(rotations)])
     if not spans:
         return {"mode": mode, "error": "the profiler recorded no kernels"}
-    per_step = len(spans) // rotations if len(spans) % rotations == 0 else None
+    per_step = len(spans) // rotations if len(spans) % rotations == 0 else len(spans)
+    steps = len(spans) // per_step
     groups: dict[tuple[str, int], list[dict]] = {}
-    for j, sp in enumerate(spans):
-        origin = spans[(j // per_step) * per_step]["start"] if per_step else spans[0]["start"]
-        groups.setdefault((sp["name"], sp["stream"]), []).append(
-            {"dur": sp["end"] - sp["start"], "start": sp["start"] - origin, "end": sp["end"] - origin}
-        )
+    for first in range(0, len(spans), per_step):
+        origin, seen = spans[first]["start"], {}
+        for sp in spans[first : first + per_step]:
+            nth = seen[sp["name"]] = seen.get(sp["name"], 0) + 1
+            start, end = sp["start"] - origin, sp["end"] - origin
+            entry = {"dur": end - start, "start": start, "end": end, "stream": sp["stream"]}
+            groups.setdefault((sp["name"], nth), []).append(entry)
     kernels = []
-    for (name, stream), g in groups.items():
+    for (name, nth), g in groups.items():
         kernels.append({
-            "kernel": name, "stream": stream, "launches": len(g) / rotations,
-            "us": sum(x["dur"] for x in g) / rotations, "start_us": statistics.mean(x["start"] for x in g),
+            "kernel": name, "launch": nth, "streams": sorted({x["stream"] for x in g}),
+            "us": sum(x["dur"] for x in g) / steps, "start_us": statistics.mean(x["start"] for x in g),
             "end_us": statistics.mean(x["end"] for x in g),
         })  # fmt: skip
     span = (max(sp["end"] for sp in spans) - spans[0]["start"]) / rotations

@@ -207,7 +207,7 @@ def _print_breakdown(con, what: str, bd: dict) -> None:
         con.print(f"  {what}: profiled step ({bd['mode']}) {bd['span_us']:.1f} us")
     for k in bd.get("kernels", ())[:6]:
         con.print(
-            f"    {k['kernel'][:40]} (stream {k['stream']}): {k['launches']:.0f}x {k['us']:.1f} us, "
+            f"    {k['kernel'][:40]} (launch {k['launch']}): {k['us']:.1f} us, "
             f"from {k['start_us']:.1f} to {k['end_us']:.1f} us"
         )
 
