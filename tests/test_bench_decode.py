@@ -240,7 +240,7 @@ def test_kernel_breakdown_reports_each_launch_of_a_step(monkeypatch):
             {"name": "step", "stream": 20 + i % 2, "start": t + 14.0, "end": t + 16.0},
         ]
         t += 20.0
-    monkeypatch.setattr(timing, "profiled_kernels", lambda fn: ("graph", spans))
+    monkeypatch.setattr(timing, "profiled_kernels", lambda fn, use_graph: ("graph", spans))
     bd = timing.kernel_breakdown(lambda i: None, 3)
     assert bd["mode"] == "graph" and bd["span_us"] == pytest.approx(56.0 / 3)
     assert [(k["kernel"], k["launch"]) for k in bd["kernels"]] == [("close", 1), ("step", 1), ("step", 2)]
@@ -248,3 +248,34 @@ def test_kernel_breakdown_reports_each_launch_of_a_step(monkeypatch):
     assert close["us"] == 12.0 and (close["start_us"], close["end_us"]) == (2.0, 14.0)
     assert first["us"] == 10.0 and first["streams"] == [7]
     assert second["us"] == 2.0 and second["streams"] == [20, 21] and second["start_us"] == 14.0
+    assert bd["steps"] == 3
+    # two steps that launch their kernels in different orders are not told apart: the trace's launches
+    other = [
+        {"name": "close", "stream": 14, "start": 20.0, "end": 30.0},
+        {"name": "step", "stream": 7, "start": 32.0, "end": 33.0},
+        {"name": "step", "stream": 20, "start": 34.0, "end": 35.0},
+    ]
+    monkeypatch.setattr(timing, "profiled_kernels", lambda fn, use_graph: ("eager", spans[:3] + other))
+    bd = timing.kernel_breakdown(lambda i: None, 2)
+    assert bd["steps"] == 1 and bd["span_us"] == 17.5
+    launches = {(k["kernel"], k["launch"]): k["start_us"] for k in bd["kernels"]}
+    assert launches == {("step", 1): 0.0, ("close", 1): 2.0, ("step", 2): 14.0, ("close", 2): 20.0,
+                        ("step", 3): 32.0, ("step", 4): 34.0}  # fmt: skip
+
+
+def test_trace_spans_keep_the_gpu_lanes_in_microseconds():
+    """Kernels, copies and memsets of a chrome trace, in start order; CPU-side events dropped."""
+    from leapquant.bench.timing import trace_spans
+
+    events = [
+        {"cat": "kernel", "name": "b", "ts": 5.5, "dur": 2.0, "args": {"stream": 7}},
+        {"cat": "cpu_op", "name": "aten::copy_", "ts": 0.0, "dur": 50.0},
+        {"cat": "gpu_memcpy", "name": "Memcpy DtoD", "ts": 1.0, "dur": 3.25, "args": {"stream": 14}},
+        {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 0.5, "dur": 1.0},
+        {"cat": "gpu_memset", "name": "Memset", "ts": 9.0, "dur": 1.0},
+    ]
+    assert trace_spans(events) == [
+        {"name": "Memcpy DtoD", "stream": 14, "start": 1.0, "end": 4.25},
+        {"name": "b", "stream": 7, "start": 5.5, "end": 7.5},
+        {"name": "Memset", "stream": -1, "start": 9.0, "end": 10.0},
+    ]

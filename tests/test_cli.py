@@ -222,6 +222,26 @@ def test_bench_report_rebuilds_the_benchmark_tables_from_a_shipped_run(capsys, t
     assert main(["bench", "report", str(results / "kernel-breakdown-h200-1645.json")]) == 0
     text = capsys.readouterr().out
     assert "**Profiled steps**" in text and "| close_kernel (stream 7) | 202.2 | 40.9 - 243.1 |" in text
+    # launches summed per stream in that file's form: the other heads' step lasts 281 us a launch
+    assert "| step_tc_kernel (stream 175) | 281.3 | 20.7 - 302.0 |" in text
+
+
+def test_bench_report_shows_each_launch_of_a_profiled_step(capsys, tmp_path):
+    """A ``--breakdown`` row of today's form (launches told apart by order) in ``bench report``'s table."""
+    results = Path(__file__).resolve().parents[1] / "results"
+    report = json.loads((results / "kernel-h200-1646.json").read_text())
+    row = next(r for r in report["rows"] if r["variant"] == "leapquant-int8" and r["n"] == 512)
+    close = {"kernel": "close_kernel", "launch": 1, "streams": [7], "us": 202.2, "start_us": 40.9,
+             "end_us": 243.1}  # fmt: skip
+    others = {"kernel": "step_tc_kernel", "launch": 2, "streams": [175, 176], "us": 281.0, "start_us": 21.0,
+              "end_us": 302.0}  # fmt: skip
+    row["breakdown"] = {"mode": "graph", "steps": 4, "span_us": 301.6, "kernels": [close, others]}
+    path = tmp_path / "bd.json"
+    path.write_text(json.dumps(report))
+    assert main(["bench", "report", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert f"| {row['family']} | 512 | `leapquant-int8` | graph | 301.6 | close_kernel (1) | 202.2 |" in text
+    assert "|  | | | | | step_tc_kernel (2) | 281.0 | 21.0 - 302.0 |" in text
 
 
 def test_bench_report_names_a_file_that_is_not_a_report(capsys, tmp_path):

@@ -214,8 +214,11 @@ def bench_variant(
 
         io = case.io_bytes()
     timing = time_steps(step, rotations, use_graph=use_graph)
-    if breakdown:
-        timing["breakdown"] = kernel_breakdown(step, rotations)
+    if breakdown:  # a failing profile must not cost the row its timing
+        try:
+            timing["breakdown"] = kernel_breakdown(step, rotations, use_graph=use_graph)
+        except Exception as exc:  # pragma: no cover - GPU only
+            timing["breakdown"] = {"error": f"{type(exc).__name__}: {exc}"}
     total = state_bytes + io
     return {
         "variant": variant,

@@ -21,26 +21,29 @@ def _header(report: dict) -> list[str]:
 
 
 def _breakdown_lines(rows: list[dict]) -> list[str]:
-    """The profiled steps of rows timed with ``--breakdown``: each launch's device time and place."""
+    """The profiled steps of rows timed with ``--breakdown``: each launch's duration and place."""
     profiled = [r for r in rows if "span_us" in r.get("breakdown", {})]
     if not profiled:
         return []
     out = [
         "",
-        "**Profiled steps** (`--breakdown`: one replay of the step's CUDA graph; each kernel launch of a "
-        "step, its duration and when it runs, from the step's first kernel)",
+        "**Profiled steps** (`--breakdown`: the steps of one profiled CUDA-graph replay, or eager launches; "
+        "step us = the mean step period; each kernel launch of a step, its duration and when it runs, from "
+        "the step's first launch)",
         "",
-        "| family | N | variant | step us | kernel (launch) | us | from - to us |",
-        "| --- | ---: | --- | ---: | --- | ---: | --- |",
+        "| family | N | variant | profile | step us | kernel (launch) | us | from - to us |",
+        "| --- | ---: | --- | --- | ---: | --- | ---: | --- |",
     ]
     for r in profiled:
         bd = r["breakdown"]
         for i, k in enumerate(bd["kernels"][:6]):
-            head = f"{r['family']} | {r['n']} | `{r['variant']}` | {bd['span_us']:.1f}"
-            # reports of 2026-12-03 16:36-16:55Z grouped launches by stream instead
-            which = k["launch"] if "launch" in k else f"stream {k['stream']}"
+            head = f"{r['family']} | {r['n']} | `{r['variant']}` | {bd['mode']} | {bd['span_us']:.1f}"
+            if "launch" in k:
+                which, us = k["launch"], k["us"]
+            else:  # reports of 2026-12-03 16:36-16:55Z: launches grouped by stream, summed per step
+                which, us = f"stream {k['stream']}", k["us"] / k["launches"] if k["launches"] else k["us"]
             out.append(
-                f"| {head if i == 0 else ' | | |'} | {k['kernel'][:40]} ({which}) | {k['us']:.1f} | "
+                f"| {head if i == 0 else ' | | | |'} | {k['kernel'][:40]} ({which}) | {us:.1f} | "
                 f"{k['start_us']:.1f} - {k['end_us']:.1f} |"
             )
     return out

@@ -12,7 +12,14 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["copy_bandwidth", "kernel_breakdown", "time_steps"]
+__all__ = [
+    "capture_graph",
+    "copy_bandwidth",
+    "kernel_breakdown",
+    "profiled_kernels",
+    "time_steps",
+    "trace_spans",
+]
 
 
 def _events_ms(fn: Callable[[], None], repeats: int) -> list[float]:
@@ -109,24 +116,35 @@ def capture_graph(fn: Callable[[], None]):
     return graph
 
 
-def _span(event: dict) -> dict:
-    start = float(event["ts"])
-    stream = int(event.get("args", {}).get("stream", -1))
-    return {"name": event["name"], "stream": stream, "start": start, "end": start + float(event["dur"])}
+GPU_ACTIVITY = ("kernel", "gpu_memcpy", "gpu_memset")  # what a chrome trace's GPU lanes hold
 
 
-def profiled_kernels(fn: Callable[[], None]) -> tuple[str, list[dict]]:
-    """The kernels one call of ``fn`` runs, from the PyTorch profiler: a replay of its CUDA graph, or an eager
-    call where capture fails or the replay's trace holds no kernels.  Returns ``(mode, spans)``, each span
-    ``{"name", "stream", "start", "end"}`` in microseconds, in start order."""
+def trace_spans(events: list[dict]) -> list[dict]:
+    """The GPU activity of a PyTorch chrome trace's ``traceEvents`` (kernels, copies, memsets), in start
+    order: ``{"name", "stream", "start", "end"}``, microseconds (the trace's ``ts`` and ``dur``)."""
+    spans = []
+    for e in events:
+        if e.get("cat") in GPU_ACTIVITY:
+            start = float(e["ts"])
+            stream = int(e.get("args", {}).get("stream", -1))
+            spans.append(
+                {"name": e["name"], "stream": stream, "start": start, "end": start + float(e["dur"])}
+            )
+    return sorted(spans, key=lambda sp: sp["start"])
+
+
+def profiled_kernels(fn: Callable[[], None], *, use_graph: bool = True) -> tuple[str, list[dict]]:
+    """The GPU work of one call of ``fn``, from the PyTorch profiler (``trace_spans``): a replay of its CUDA
+    graph, or an eager call where ``use_graph`` is off, capture fails or the replay's trace holds nothing.
+    Returns ``(mode, spans)``, ``mode`` ``"graph"`` or ``"eager"``."""
     import json
     import os
     import tempfile
 
     from torch.profiler import ProfilerActivity, profile
 
-    graph = capture_graph(fn)
-    spans: list[dict] = []
+    graph = capture_graph(fn) if use_graph else None
+    mode, spans = "eager", []
     for mode in ("graph", "eager"):
         if mode == "graph" and graph is None:
             continue
@@ -139,36 +157,38 @@ def profiled_kernels(fn: Callable[[], None]) -> tuple[str, list[dict]]:
         try:
             prof.export_chrome_trace(path)
             with open(path) as f:
-                events = json.load(f)["traceEvents"]
+                spans = trace_spans(json.load(f)["traceEvents"])
         finally:
             os.unlink(path)
-        spans = sorted((_span(e) for e in events if e.get("cat") == "kernel"), key=lambda sp: sp["start"])
         if spans:
             break
     del graph
     return mode, spans
 
 
-def kernel_breakdown(step: Callable[[int], None], rotations: int) -> dict:
+def kernel_breakdown(step: Callable[[int], None], rotations: int, *, use_graph: bool = True) -> dict:
     """Where one step's time goes: ``step(i)`` for every rotation, profiled (``profiled_kernels``).
 
-    Returns ``{"mode", "span_us", "kernels"}``: the wall span per step, from the first kernel's start to the
-    last one's end, and one entry per launch of the step, slowest first: ``{"kernel", "launch", "streams",
-    "us", "start_us", "end_us"}``, the ``launch``-th launch of that kernel in the step (in start order), the
-    streams it ran on, its mean duration and when it runs (mean offsets from the step's first kernel): what
-    overlaps what.  Launches are told apart by order, not by stream, because a graph replay puts a
-    captured stream's kernels on different streams from one replay to the next.  A trace whose kernel
-    count is not a multiple of ``rotations`` is reported as one step (``span_us`` still per step).
+    Returns ``{"mode", "steps", "span_us", "kernels"}``.  ``span_us`` is the mean step period: the trace's
+    length, first start to last end, over ``rotations``.  ``kernels`` has one entry per launch of a step,
+    slowest first: ``{"kernel", "launch", "streams", "us", "start_us", "end_us"}``, the ``launch``-th launch
+    of that kernel in the step (in start order), the streams it ran on, its mean duration and when it runs
+    (mean offsets from its step's first launch): what overlaps what.  Launches are told apart by order, not
+    by stream, because a graph replay puts a captured stream's kernels on different streams from one
+    replay to the next.  Steps are told apart only where every step launches the same kernels in the same
+    order; otherwise ``steps`` is 1 and the entries are the trace's launches, offsets from its start.
     """
-    mode, spans = profiled_kernels(lambda: [step(i) for i in range(rotations)])
+    mode, spans = profiled_kernels(lambda: [step(i) for i in range(rotations)], use_graph=use_graph)
     if not spans:
         return {"mode": mode, "error": "the profiler recorded no kernels"}
     per_step = len(spans) // rotations if len(spans) % rotations == 0 else len(spans)
-    steps = len(spans) // per_step
+    chunks = [spans[i : i + per_step] for i in range(0, len(spans), per_step)]
+    if any([sp["name"] for sp in c] != [sp["name"] for sp in chunks[0]] for c in chunks):
+        chunks = [spans]
     groups: dict[tuple[str, int], list[dict]] = {}
-    for first in range(0, len(spans), per_step):
-        origin, seen = spans[first]["start"], {}
-        for sp in spans[first : first + per_step]:
+    for chunk in chunks:
+        origin, seen = chunk[0]["start"], {}
+        for sp in chunk:
             nth = seen[sp["name"]] = seen.get(sp["name"], 0) + 1
             start, end = sp["start"] - origin, sp["end"] - origin
             entry = {"dur": end - start, "start": start, "end": end, "stream": sp["stream"]}
@@ -177,8 +197,13 @@ def kernel_breakdown(step: Callable[[int], None], rotations: int) -> dict:
     for (name, nth), g in groups.items():
         kernels.append({
             "kernel": name, "launch": nth, "streams": sorted({x["stream"] for x in g}),
-            "us": sum(x["dur"] for x in g) / steps, "start_us": statistics.mean(x["start"] for x in g),
+            "us": statistics.mean(x["dur"] for x in g), "start_us": statistics.mean(x["start"] for x in g),
             "end_us": statistics.mean(x["end"] for x in g),
         })  # fmt: skip
     span = (max(sp["end"] for sp in spans) - spans[0]["start"]) / rotations
-    return {"mode": mode, "span_us": span, "kernels": sorted(kernels, key=lambda k: -k["us"])}
+    return {
+        "mode": mode,
+        "steps": len(chunks),
+        "span_us": span,
+        "kernels": sorted(kernels, key=lambda k: -k["us"]),
+    }

@@ -92,8 +92,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     k.add_argument(
         "--breakdown",
         action="store_true",
-        help="also profile each variant's steps (PyTorch profiler, one graph replay): each kernel's time "
-        "and place in the step, per stream",
+        help="also profile each variant's steps (PyTorch profiler, one graph replay, or eager with "
+        "--no-graph): each kernel launch's duration and place in the step",
     )
     k.add_argument("--json", metavar="OUT", help="write all rows and provenance as JSON")
     k.add_argument("--markdown", metavar="OUT.md", help="write the table as Markdown")
@@ -203,8 +203,10 @@ def _ints(text: str, what: str) -> list[int]:
 
 
 def _print_breakdown(con, what: str, bd: dict) -> None:
+    if "error" in bd:
+        con.print(f"  [red]{what}: no breakdown ({bd['error']})[/red]")
     if "span_us" in bd:
-        con.print(f"  {what}: profiled step ({bd['mode']}) {bd['span_us']:.1f} us")
+        con.print(f"  {what}: profiled {bd['mode']} step {bd['span_us']:.1f} us")
     for k in bd.get("kernels", ())[:6]:
         con.print(
             f"    {k['kernel'][:40]} (launch {k['launch']}): {k['us']:.1f} us, "
