@@ -44,6 +44,23 @@ def copy_bandwidth(nbytes: int = 2 << 30, repeats: int = 20) -> float:
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
+def capture_graph(fn: Callable[[], None]):
+    """``fn`` captured in a CUDA graph (after a warm-up call on a side stream), or None if capture fails."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+    except RuntimeError:
+        torch.cuda.synchronize()
+        return None
+    return graph
+
+
 def time_steps(
     step: Callable[[int], None],
     rotations: int,
@@ -63,29 +80,15 @@ def time_steps(
     for i in range(rotations):
         step(i)
     torch.cuda.synchronize()
-    graph = None
-    if use_graph:
-        try:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for i in range(rotations):
-                    step(i)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                for i in range(per_graph):
-                    step(i % rotations)
-        except RuntimeError:
-            graph = None
-            torch.cuda.synchronize()
+
+    def steps() -> None:
+        for i in range(per_graph):
+            step(i % rotations)
+
+    graph = capture_graph(steps) if use_graph else None
 
     def run() -> None:
-        if graph is not None:
-            graph.replay()
-        else:
-            for i in range(per_graph):
-                step(i % rotations)
+        graph.replay() if graph is not None else steps()
 
     for _ in range(warmup):
         run()
@@ -97,23 +100,6 @@ def time_steps(
         "ms_max": max(times),
         "graph": graph is not None,
     }
-
-
-def capture_graph(fn: Callable[[], None]):
-    """``fn`` captured in a CUDA graph (after a warm-up call on a side stream), or None if capture fails."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph):
-            fn()
-    except RuntimeError:
-        torch.cuda.synchronize()
-        return None
-    return graph
 
 
 GPU_ACTIVITY = ("kernel", "gpu_memcpy", "gpu_memset")  # what a chrome trace's GPU lanes hold
