@@ -93,10 +93,31 @@ if FULL:
     ]
 
 
-@pytest.mark.parametrize(("family", "residual", "window", "rank", "smooth", "n", "h", "hv"), CASES)
+def close_impls(residual: str, rank: int) -> list[str]:
+    """The window closes a GPU test runs: the Triton close, and the CUDA close where it applies (K = V =
+    128, scaled residuals); the CPU has the Triton close only (the interpreter)."""
+    cuda = FULL and (K, V) == (128, 128) and residual in ("int8", "int6", "int4", "fp8-e4m3") and rank <= 8
+    return ["triton", "cuda"] if cuda else ["triton"]
+
+
+def with_close_impls(cases, residual_at: int = 1, rank_at: int = 3):
+    """Each case once per window close it runs under (:func:`close_impls`), the close's name in its id."""
+    out = []
+    for case in cases:
+        for impl in close_impls(case.values[residual_at], case.values[rank_at]):
+            out.append(pytest.param(*case.values, impl, id=f"{case.id}-{impl}-close"))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("family", "residual", "window", "rank", "smooth", "n", "h", "hv", "close_impl"), with_close_impls(CASES)
+)
 def test_kernel_matches_reference_and_tracks_the_exact_state(
-    family, residual, window, rank, smooth, n, h, hv
+    family, residual, window, rank, smooth, n, h, hv, close_impl
 ):
+    from leapquant.ops.leapquant_decode import LaunchConfig
+
+    launch = LaunchConfig(close_impl=close_impl)
     gen = torch.Generator(device=DEVICE).manual_seed(window * 100 + rank)
     cfg = PoolConfig(heads=hv, d_k=K, d_v=V, window=window, compensators=rank, smoothing=smooth,
                      residual=residual, records="fp32" if residual == "fp32" else "fp16",
@@ -124,7 +145,7 @@ def test_kernel_matches_reference_and_tracks_the_exact_state(
         active = slots if t > window // 2 else torch.where(torch.isin(slots, first), slots, -1)
         x = tokens(family, n, h, hv, gen)
         ref = exact.step(active, *x)
-        outs = {b: leapquant_decode(pool, active, *x, backend=b) for b, pool in pools.items()}
+        outs = {b: leapquant_decode(pool, active, *x, backend=b, launch=launch) for b, pool in pools.items()}
         for b, o in outs.items():
             assert torch.isfinite(o).all()
             assert torch.equal(o[active < 0], torch.zeros_like(o[active < 0]))
@@ -209,7 +230,10 @@ def test_prefill_handoff_round_trips():
     assert torch.equal(vk, back.transpose(-1, -2))
 
 
-def test_slots_not_in_the_batch_are_never_touched():
+@pytest.mark.parametrize("close_impl", close_impls("int8", 2))
+def test_slots_not_in_the_batch_are_never_touched(close_impl):
+    from leapquant.ops.leapquant_decode import LaunchConfig
+
     cfg = PoolConfig(heads=2, d_k=K, d_v=V, window=2, compensators=2, smoothing=True, residual="int8")
     pool = LeapQuantPool.allocate(cfg, 6, DEVICE)
     gen = torch.Generator(device=DEVICE).manual_seed(5)
@@ -221,7 +245,8 @@ def test_slots_not_in_the_batch_are_never_touched():
     pool.reset(active[active >= 0])
     before = {n: t.clone() for n, t in pool.tensors.items()}
     for _ in range(3):  # window 2: every active slot closes a window too
-        out = leapquant_decode(pool, active, *tokens("gdn", 3, 2, 2, gen), backend="triton")
+        out = leapquant_decode(pool, active, *tokens("gdn", 3, 2, 2, gen), backend="triton",
+                               launch=LaunchConfig(close_impl=close_impl))  # fmt: skip
         assert torch.isfinite(out).all()
     untouched = torch.tensor([0, 2, 3, 5], device=DEVICE)
     for name, t in pool.tensors.items():
@@ -323,22 +348,32 @@ def test_gate_and_beta_activation_in_the_kernel(family):
         assert rel(outs[0], outs[1]) < 1e-4 and rel(outs[0], outs[2]) < 1e-4
 
 
+FIT_CASES = [
+    pytest.param("gdn", "int8", 4, True, 1, 1.0, id="gdn-int8-r4-smooth"),
+    pytest.param("kda", "int4", 8, True, 1, 1.0, id="kda-int4-r8-smooth"),
+    pytest.param("gdn", "int8", 0, False, 1, 1.0, id="gdn-int8-r0"),
+    pytest.param("kda", "fp8-e4m3", 2, False, 1, 1.0, id="kda-fp8-r2"),
+    pytest.param("gdn", "int8", 3, True, 3, 1.0, id="gdn-int8-r3-smooth-3iters"),
+    # zero states load zero tokens: the first close starts its fit from the hashed +-1 vectors
+    pytest.param("kda", "int8", 4, True, 1, 0.0, id="kda-int8-r4-from-zero"),
+    pytest.param("gdn", "int6", 2, True, 1, 1.0, id="gdn-int6-r2-smooth"),
+    pytest.param("kda", "fp8-e4m3", 8, True, 2, 1.0, id="kda-fp8-r8-smooth-2iters"),
+    # a tiny state (and values: the fp16 records and token values underflow to zero): channel scales below
+    # the range where dividing by reciprocals is exact, so the close divides again exactly
+    pytest.param("gdn", "int8", 4, True, 1, 1e-25, id="gdn-int8-r4-tiny"),
+    pytest.param("kda", "int4", 2, True, 1, 1e-25, id="kda-int4-r2-tiny"),
+]
+
+
 @pytest.mark.parametrize(
-    ("family", "residual", "rank", "smooth", "iters", "scale"),
-    [
-        pytest.param("gdn", "int8", 4, True, 1, 1.0, id="gdn-int8-r4-smooth"),
-        pytest.param("kda", "int4", 8, True, 1, 1.0, id="kda-int4-r8-smooth"),
-        pytest.param("gdn", "int8", 0, False, 1, 1.0, id="gdn-int8-r0"),
-        pytest.param("kda", "fp8-e4m3", 2, False, 1, 1.0, id="kda-fp8-r2"),
-        pytest.param("gdn", "int8", 3, True, 3, 1.0, id="gdn-int8-r3-smooth-3iters"),
-        # zero states load zero tokens: the first close starts its fit from the hashed +-1 vectors
-        pytest.param("kda", "int8", 4, True, 1, 0.0, id="kda-int8-r4-from-zero"),
-    ],
+    ("family", "residual", "rank", "smooth", "iters", "scale", "close_impl"),
+    with_close_impls(FIT_CASES, residual_at=1, rank_at=2),
 )
-def test_close_matches_reference_across_fit_options(family, residual, rank, smooth, iters, scale):
-    """The chunked close in several row chunks (``close_bv=16``: a pass walks more than one chunk, so rows are
-    rebuilt, tokens subtracted and token values stored chunk by chunk) computes the reference's windows:
-    warm-started power iterations, cold zero states, no tokens, 8 tokens, fp8 and int4 residuals."""
+def test_close_matches_reference_across_fit_options(family, residual, rank, smooth, iters, scale, close_impl):
+    """The close (the Triton one in several row chunks, ``close_bv=16``: a pass walks more than one chunk, so
+    rows are rebuilt, tokens subtracted and token values stored chunk by chunk; and the CUDA one on a GPU)
+    computes the reference's windows: warm-started power iterations, cold zero states, no tokens, 8 tokens,
+    fp8, int6 and int4 residuals, states far from unit scale."""
     from leapquant.ops.leapquant_decode import LaunchConfig
 
     gen = torch.Generator(device=DEVICE).manual_seed(rank)
@@ -354,10 +389,11 @@ def test_close_matches_reference_across_fit_options(family, residual, rank, smoo
         load_states(pool, slots, s0, backend=backend)
     if scale == 0.0:
         assert not pools[0].tensors["comp_u"].any()
-    launch = LaunchConfig(close_bv=16)
+    launch = LaunchConfig(close_bv=16, close_impl=close_impl)
     diff = quant = 0.0
     for _ in range(9):  # two window closes
-        x = tokens(family, 3, 1, 2, gen)
+        q, k, v, g, beta = tokens(family, 3, 1, 2, gen)
+        x = (q, k, v * scale if 0 < scale < 1e-3 else v, g, beta)
         out = [leapquant_decode(p, slots, *x, backend=b, launch=launch) for p, (_, b) in zip(pools, runs)]
         diff, quant = diff + rel(out[0], out[1]), quant + rel(out[1], out[2])
     assert diff < 0.5 * quant  # codes may flip at rounding boundaries (sums run in other orders), no more
@@ -391,8 +427,8 @@ def test_close_token_scratch_changes_no_bit(family, residual, rank, hv, n, progr
     s0 = torch.randn(n, hv, K, V, generator=gen, device=DEVICE)
     for pool in pools:
         load_states(pool, slots, s0, backend="triton")
-    launches = [LaunchConfig(close_bv=16, close_programs_per_sm=programs, close_token_scratch=t)
-                for t in (True, False)]  # fmt: skip
+    launches = [LaunchConfig(close_bv=16, close_programs_per_sm=programs, close_token_scratch=t,
+                             close_impl="triton") for t in (True, False)]  # fmt: skip
     for _ in range(9):  # two window closes
         x = tokens(family, n, 1, hv, gen)
         outs = [leapquant_decode(p, slots, *x, backend="triton", launch=lc) for p, lc in zip(pools, launches)]

@@ -43,7 +43,9 @@ __all__ = ["decode_markdown", "plot_decode", "roofline", "run_decode"]
 KERNEL_CLASSES = (
     (
         "state",
-        re.compile(r"fused_recurrent|step_kernel|close_kernel|per_step_kernel|boundary_kernel"),
+        re.compile(
+            r"fused_recurrent|step_kernel|close_kernel|leapquant_close|per_step_kernel|boundary_kernel"
+        ),
     ),
     ("attention", re.compile(r"flash|fmha|attention|attn|softmax", re.I)),
     ("gemm", re.compile(r"gemm|gemv|cutlass|nvjet|xmma|cublas|matmul|sm90_|sm80_|grouped", re.I)),

@@ -3,9 +3,10 @@
 A *variant* is either a fixed baseline (``fla-fp32``: FLA's ``fused_recurrent_*`` with an fp32 state;
 ``perstep-fp32|bf16|int8``: our per-step kernels) or any LeapQuant method name that has a kernel
 (``leapquant-int8``, ``int8/w16``, ``fp8-e4m3/w16+ct4+smooth``, ...), optionally suffixed ``:step`` to time
-the step kernel alone (positions frozen) for a breakdown.  Each variant reports the median time per step
-from CUDA-graph replays over rotated inputs and pool slots, the bytes it must move (byte model below), the
-achieved bandwidth and its fraction of the measured copy bandwidth.
+the step kernel alone (positions frozen) for a breakdown, or ``:triton-close`` / ``:cuda-close`` to pick the
+window close (``LaunchConfig.close_impl``; without a suffix the launch's own choice).  Each variant reports
+the median time per step from CUDA-graph replays over rotated inputs and pool slots, the bytes it must move
+(byte model below), the achieved bandwidth and its fraction of the measured copy bandwidth.
 
 Byte model per step (what a perfect kernel reads and writes once): the state format's boundary bytes read,
 the records before the current position read (positions are uniform over the window, so ``(P-1)/2`` on
@@ -23,7 +24,7 @@ import torch
 
 from ..errors import LeapQuantError
 
-__all__ = ["BASELINES", "KernelCase", "bench_variant", "state_bytes_per_step"]
+__all__ = ["BASELINES", "KernelCase", "bench_variant", "split_variant", "state_bytes_per_step"]
 
 BASELINES = ("fla-fp32", "perstep-fp32", "perstep-bf16", "perstep-int8")
 L2_BYTES = 60 << 20
@@ -67,7 +68,7 @@ def state_bytes_per_step(variant: str, case: KernelCase) -> float:
         return heads * 2 * (kv + 4 * case.d_v)
     from ..ops.pool import PoolConfig
 
-    name, step_only = _split(variant)
+    name, step_only = split_variant(variant)
     cfg = PoolConfig.from_method(
         name, case.heads, case.d_k, case.d_v, "vector" if case.family == "kda" else "scalar"
     )
@@ -81,10 +82,23 @@ def state_bytes_per_step(variant: str, case: KernelCase) -> float:
     return heads * per_head
 
 
-def _split(variant: str) -> tuple[str, bool]:
+CLOSE_SUFFIXES = {":triton-close": "triton", ":cuda-close": "cuda"}
+
+
+def split_variant(variant: str) -> tuple[str, bool]:
+    """``(method, step only)`` of a LeapQuant variant, without its close suffix."""
+    variant = _close_impl(variant)[0]
     if variant.endswith(":step"):
         return variant[: -len(":step")], True
     return variant, False
+
+
+def _close_impl(variant: str) -> tuple[str, str | None]:
+    """``(variant without the suffix, close_impl)`` of a ``:triton-close`` / ``:cuda-close`` variant."""
+    for suffix, impl in CLOSE_SUFFIXES.items():
+        if variant.endswith(suffix):
+            return variant[: -len(suffix)], impl
+    return variant, None
 
 
 def _inputs(case: KernelCase, rotations: int, device: str, gen: torch.Generator) -> list[dict]:
@@ -197,10 +211,15 @@ def bench_variant(
 
         io = case.io_bytes()
     else:
-        from ..ops.leapquant_decode import leapquant_decode
+        from dataclasses import replace
+
+        from ..ops.leapquant_decode import LaunchConfig, leapquant_decode
         from ..ops.pool import LeapQuantPool, PoolConfig
 
-        name, step_only = _split(variant)
+        name, step_only = split_variant(variant)
+        impl = _close_impl(variant)[1]
+        if impl is not None:
+            launch = replace(launch or LaunchConfig(), close_impl=impl)
         decay = "vector" if case.family == "kda" else "scalar"
         pool = LeapQuantPool.allocate(
             PoolConfig.from_method(name, case.heads, case.d_k, case.d_v, decay), case.n * rotations, device

@@ -17,6 +17,7 @@ MAIN = (
     "int8/w16",
     "int8/w16+ct4",
     "leapquant-int8",
+    "leapquant-int8:triton-close",
     "leapquant-int8:step",
     "fp8-e4m3/w16+ct4+smooth",
     "int4/w16+ct8+smooth",
@@ -60,6 +61,14 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     )
     k.add_argument(
         "--no-overlap-close", action="store_true", help="launch: step, then close (no side stream)"
+    )
+    k.add_argument(
+        "--close-impl", choices=("auto", "cuda", "triton"), default=None,
+        help="launch: the window close (CUDA where it applies by default; a variant's :triton-close or "
+        ":cuda-close suffix overrides it)",
+    )  # fmt: skip
+    k.add_argument(
+        "--close-cuda-blocks", type=int, default=None, help="launch: CUDA close blocks per SM (default 2)"
     )
     k.add_argument("--close-bv", type=int, default=None, help="launch: value rows per close chunk")
     k.add_argument("--close-warps", type=int, default=None, help="launch: warps per close program")
@@ -219,7 +228,7 @@ def run_kernel(args: argparse.Namespace) -> int:
 
     import torch
 
-    from ..bench.kernel import KernelCase, bench_variant
+    from ..bench.kernel import KernelCase, bench_variant, split_variant
     from ..bench.timing import copy_bandwidth
     from ..eval.provenance import provenance
     from ..ops.leapquant_decode import LaunchConfig
@@ -247,6 +256,8 @@ def run_kernel(args: argparse.Namespace) -> int:
         "step_tc_maxnreg": args.step_tc_maxnreg,
         "step_mma": False if args.cuda_core_step else None,
         "overlap_close": False if args.no_overlap_close else None,
+        "close_impl": args.close_impl,
+        "close_cuda_blocks_per_sm": args.close_cuda_blocks,
         "close_bv": args.close_bv,
         "close_warps": args.close_warps,
         "close_programs_per_sm": args.close_programs,
@@ -293,7 +304,7 @@ def run_kernel(args: argparse.Namespace) -> int:
 
         def default_launch(variant: str, decay=decay) -> LaunchConfig:
             """Without --tune: the tuned launch for the variant's token count, then the overrides."""
-            name = variant.removesuffix(":step")
+            name = split_variant(variant)[0]
             rank = 4
             if name != "fla-fp32" and not name.startswith("perstep-"):
                 rank = PoolConfig.from_method(name, args.heads).compensators

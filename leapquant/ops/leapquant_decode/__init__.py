@@ -25,6 +25,7 @@ from . import naive
 __all__ = ["LaunchConfig", "leapquant_decode", "leapquant_step_records", "load_states", "materialize_states"]
 
 BACKENDS = ("auto", "triton", "reference")
+CLOSE_IMPLS = ("auto", "cuda", "triton")
 
 
 @dataclass(frozen=True)
@@ -54,12 +55,21 @@ class LaunchConfig:
         close_warps: warps per close program.
         close_programs_per_sm: persistent close programs per multiprocessor.
         overlap_close: the window closes of a step run on a side stream, beside the step of the heads that
-            do not close (``_launch_step``); False: step, then close.
+            do not close (``_launch_step``); False: step, then close; ``None``: overlap with the Triton
+            close only (the CUDA close fills every register file it runs on, so the step waits for SMs
+            either way, and the split costs a second step launch: 265 vs 250 us for GDN on the H200).
         close_maxnreg: register cap per thread of the close (``None``: the compiler's choice); a lower cap
             lets more close programs share a multiprocessor, at the price of a few spills.
         close_token_scratch: with smoothing, the close's smoothing pass keeps the token values it computes
             in a per-program scratch (``[programs, R, V]`` fp16, ``LeapQuantPool.close_scratch``) and its
             quantization pass reads them back instead of computing them again (the same values, bit for bit).
+        close_impl: which window close runs on a GPU: ``"cuda"`` (``close.cu``, built by NVRTC: a head's
+            state held whole in one block's registers, rebuilt once), ``"triton"`` (``close.py``: streamed
+            through registers, rebuilt at each pass; the one the CPU interpreter tests) or ``"auto"``:
+            CUDA where it applies (``close_cuda.unsupported``), else Triton.  The ``close_*`` shapes above
+            are the Triton close's.
+        close_cuda_blocks_per_sm: persistent blocks per multiprocessor of the CUDA close (256 threads of
+            at most 128 registers each: two fill the register file).
     """
 
     step_bv: int = 32
@@ -74,9 +84,11 @@ class LaunchConfig:
     close_bv: int = 32
     close_warps: int = 4
     close_programs_per_sm: int = 4
-    overlap_close: bool = True
+    overlap_close: bool | None = None
     close_maxnreg: int | None = 128
     close_token_scratch: bool = True
+    close_impl: str = "auto"
+    close_cuda_blocks_per_sm: int = 2
 
     @classmethod
     def tuned(cls, decay: str, compensators: int = 4) -> LaunchConfig:
@@ -104,6 +116,14 @@ class LaunchConfig:
             x = getattr(self, name)
             if x is not None and not 32 <= x <= 255:
                 raise LeapQuantError(f"launch: {name} must be in 32..255, got {x}")
+        if self.close_impl not in CLOSE_IMPLS:
+            raise LeapQuantError(
+                f"launch: unknown close_impl {self.close_impl!r}: use {', '.join(CLOSE_IMPLS)}"
+            )
+        if self.close_cuda_blocks_per_sm < 1:
+            raise LeapQuantError(
+                f"launch: close_cuda_blocks_per_sm must be >= 1, got {self.close_cuda_blocks_per_sm}"
+            )
         if self.close_programs_per_sm < 1:
             raise LeapQuantError(
                 f"launch: close_programs_per_sm must be >= 1, got {self.close_programs_per_sm}"
@@ -176,7 +196,10 @@ def _launch_step(
     t = pool.tensors
     dummy = t["pos"]
     list_, count = pool.close_list()
-    split = close and advance and launch.overlap_close
+    overlap = launch.overlap_close
+    if overlap is None:
+        overlap = not (close and _cuda_close(pool, launch))
+    split = close and advance and overlap
     closing = (t["pos"] == cfg.window - 1).to(torch.int8) if split else dummy
     args = (
         q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(),
@@ -267,11 +290,28 @@ def _close_shape(pool: LeapQuantPool, launch: LaunchConfig) -> dict:
                 REC16=cfg.records == "fp16", num_warps=launch.close_warps)  # fmt: skip
 
 
+def _cuda_close(pool: LeapQuantPool, launch: LaunchConfig) -> bool:
+    """Whether the window close of ``pool`` runs as the CUDA kernel (``launch.close_impl``)."""
+    from .close_cuda import unsupported
+
+    if launch.close_impl == "triton":
+        return False
+    reason = "the pool is not on a GPU" if pool.device.type != "cuda" else unsupported(pool.config)
+    if launch.close_impl == "cuda" and reason is not None:
+        raise LeapQuantError(f"launch: close_impl='cuda' does not apply: {reason}")
+    return reason is None
+
+
 def _launch_close(pool: LeapQuantPool, n: int, launch: LaunchConfig) -> None:
     """Close the windows of the heads the step kernel listed."""
     from .close import close_kernel
 
     cfg = pool.config
+    if _cuda_close(pool, launch):
+        from .close_cuda import launch_cuda_close
+
+        launch_cuda_close(pool, _close_grid(pool, n, launch.close_cuda_blocks_per_sm))
+        return
     tensors, shape = _close_args(pool)
     list_, count = pool.close_list()
     grid = _close_grid(pool, n, launch.close_programs_per_sm)
@@ -343,6 +383,8 @@ def leapquant_decode(
     qk_scale = cfg.d_k**-0.5 if scale is None else float(scale)
     if _use_triton(pool, backend):
         launch = launch or LaunchConfig.tuned(cfg.decay, cfg.compensators)
+        if boundary:
+            _cuda_close(pool, launch)  # a close that cannot run fails here, before the step changes the pool
         pool.close_list()[1].zero_()
         return _launch_step(
             pool, slots, q, k, v, g, beta, None, A_log, dt_bias, qk_scale,

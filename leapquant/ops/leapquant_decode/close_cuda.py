@@ -1,0 +1,94 @@
+"""The window close as a CUDA C++ kernel (``close.cu``), built at run time by NVRTC through torch.
+
+Same arithmetic as :func:`close.close_kernel` and :func:`naive.close_ref` (checked against both on the GPU,
+``tests/test_close_cuda.py``), with the state of a closing head held whole in the registers of one 256-thread
+block and rebuilt once, where the Triton close rebuilds it at each of its three passes.  It applies to
+``d_k = d_v = 128`` (the head size of Qwen3.5/Qwen3-Next and Kimi-Linear), scaled residuals (int8, int6, int4,
+fp8-e4m3) and up to 8 tokens; :func:`unsupported` says why another pool does not qualify, and those keep the
+Triton close.  The CPU (and the Triton interpreter) never runs it: CI tests the Triton close, and the
+GPU runs check this one against it.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+from ...errors import LeapQuantError
+from ..pool import LeapQuantPool, PoolConfig
+
+__all__ = ["THREADS", "compile_options", "launch_cuda_close", "shared_bytes", "unsupported"]
+
+THREADS = 256  # one block per closing head: 16 x 16 threads of 8 x 8 state entries each
+_SOURCE = Path(__file__).with_name("close.cu")
+_RESIDUAL = {"int8": 2, "int6": 2, "fp8-e4m3": 3, "int4": 4}
+
+
+def unsupported(cfg: PoolConfig) -> str | None:
+    """Why the CUDA close does not apply to pools of ``cfg`` (``None``: it does)."""
+    if (cfg.d_k, cfg.d_v) != (128, 128):
+        return f"head size d_k={cfg.d_k}, d_v={cfg.d_v} (the CUDA close is built for 128 x 128)"
+    if cfg.residual not in _RESIDUAL:
+        return f"residual {cfg.residual!r} (the CUDA close takes {', '.join(_RESIDUAL)})"
+    if cfg.compensators > 8:
+        return f"{cfg.compensators} compensator tokens (the CUDA close takes at most 8)"
+    return None
+
+
+def compile_options(cfg: PoolConfig) -> list[str]:
+    """NVRTC options that specialise ``close.cu`` to pools of ``cfg``."""
+    defines = {
+        "LQ_P": cfg.window,
+        "LQ_R": cfg.compensators,
+        "LQ_ITERS": cfg.power_iters,
+        "LQ_RESIDUAL": _RESIDUAL[cfg.residual],
+        "LQ_SMOOTH": int(cfg.smoothing),
+        "LQ_VECTOR_DECAY": int(cfg.decay == "vector"),
+        "LQ_REC16": int(cfg.records == "fp16"),
+    }
+    return ["-std=c++17", *(f"-D{k}={v}" for k, v in defines.items())]
+
+
+def shared_bytes(cfg: PoolConfig) -> int:
+    """Dynamic shared memory of one block (the ``SM_*`` layout of ``close.cu``)."""
+    k, v, p, r = cfg.d_k, cfg.d_v, cfg.window, cfg.compensators
+    floats = p * k + p * v + r * k + r * v + k + r * v + r * k + 8 * 4 * k + 2 * k
+    return 4 * floats
+
+
+@functools.cache
+def _kernel(cfg: PoolConfig, device: int):
+    compile_kernel = getattr(torch.cuda, "_compile_kernel", None)
+    if compile_kernel is None:
+        raise LeapQuantError(
+            f"the CUDA close needs torch.cuda._compile_kernel (NVRTC), which torch {torch.__version__} "
+            "lacks: use LaunchConfig(close_impl='triton')"
+        )
+    with torch.cuda.device(device):
+        kernel = compile_kernel(_SOURCE.read_text(), "leapquant_close", nvcc_options=compile_options(cfg))
+        kernel.set_shared_memory_config(shared_bytes(cfg))
+    return kernel
+
+
+def launch_cuda_close(pool: LeapQuantPool, blocks: int) -> None:
+    """Close the windows of the heads the step kernel listed (``pool.close_list()``), ``blocks`` persistent
+    blocks on the current stream (CUDA-graph capturable: one ``cuLaunchKernel``)."""
+    from ...methods.smoothing import SMOOTHING_FLOOR
+    from .fused_recurrent import RESIDUAL_CODES
+
+    cfg = pool.config
+    reason = unsupported(cfg)
+    if reason is not None:
+        raise LeapQuantError(f"the CUDA close does not apply: {reason}")
+    t = pool.tensors
+    dummy = t["pos"]
+    list_, count = pool.close_list()
+    args = [
+        list_, count, t["payload"], t["scale"], t.get("smooth", dummy), t.get("comp_k", dummy),
+        t.get("comp_u", dummy), t["rec_g"], t["rec_k"], t["rec_u"], t["pos"], float(SMOOTHING_FLOOR),
+        float(RESIDUAL_CODES[cfg.residual][1]),
+    ]  # fmt: skip
+    kernel = _kernel(cfg, pool.device.index if pool.device.index is not None else torch.cuda.current_device())
+    kernel(grid=(blocks, 1, 1), block=(THREADS, 1, 1), args=args, shared_mem=shared_bytes(cfg))

@@ -1,0 +1,59 @@
+"""Time the CUDA window close with parts left out (``LQ_ABLATE`` in ``close.cu``): where its time goes.
+
+The states these closes leave are wrong: this is timing only.  Each row is ``bench kernel``'s
+``leapquant-int8`` (or ``--variant``) with the close run after the step (no side stream), profiled so the
+close's own duration is reported beside the step's.
+
+    python scripts/close_cuda_ablation.py [--family gdn,kda] [--n 512] [--masks 0,1,2,4,7] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import replace
+
+from leapquant.bench.kernel import KernelCase, bench_variant
+from leapquant.bench.timing import copy_bandwidth
+from leapquant.eval.provenance import provenance
+from leapquant.ops.leapquant_decode import LaunchConfig, close_cuda
+
+PARTS = {1: "rank-one updates of the rebuild", 2: "fit", 4: "quantization arithmetic"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--family", default="gdn,kda")
+    ap.add_argument("--n", type=int, default=512)
+    ap.add_argument("--variant", default="leapquant-int8")
+    ap.add_argument("--masks", default="0,1,2,4")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    options = close_cuda.compile_options
+    rows = []
+    print(f"copy bandwidth {copy_bandwidth():.0f} GB/s")
+    for family in args.family.split(","):
+        case = KernelCase(family=family, n=args.n, key_heads=16 if family == "gdn" else 32)
+        launch = replace(LaunchConfig.tuned("scalar" if family == "gdn" else "vector"), close_impl="cuda",
+                         overlap_close=False)  # fmt: skip
+        for mask in (int(m) for m in args.masks.split(",")):
+            close_cuda.compile_options = lambda cfg, mask=mask: [*options(cfg), f"-DLQ_ABLATE={mask}"]
+            close_cuda._kernel.cache_clear()
+            row = bench_variant(args.variant, case, launch=launch, breakdown=True)
+            row["ablate"] = mask
+            row["left_out"] = [name for bit, name in PARTS.items() if mask & bit]
+            close = [
+                k for k in row["breakdown"].get("kernels", []) if k["kernel"].startswith("leapquant_close")
+            ]
+            close_us = close[0]["us"] if close else float("nan")
+            left = ", ".join(row["left_out"]) or "full"
+            print(f"{family} mask {mask} ({left}): step {row['ms'] * 1e3:.1f} us, close {close_us:.1f} us")
+            rows.append(row)
+    close_cuda.compile_options = options
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"provenance": provenance(cuda=True), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
