@@ -4,6 +4,9 @@ spending device time. ``--sass`` adds static SASS counts of each close (instruct
 of spills, barriers, shuffles, tensor-core ops): what BENCHMARKS.md quotes for the close trials.
 
     python scripts/kernel_resources.py [--sass]
+
+The CUDA close (``close.cu``) is compiled too when NVRTC is installed here (``pip install
+nvidia-cuda-nvrtc``; the GPU machine builds it with its own at run time).
 """
 
 from __future__ import annotations
@@ -60,6 +63,71 @@ def resources(kernel, pointers: dict, scalars: dict, consts: dict, warps: int, m
     return text
 
 
+def _nvrtc():
+    """NVRTC from the ``nvidia-cuda-nvrtc`` wheel or the library path, or ``None``."""
+    import ctypes
+    import glob
+
+    import nvidia  # noqa: F401 - namespace package of the CUDA wheels
+
+    for root in getattr(sys.modules["nvidia"], "__path__", []):
+        for lib in sorted(glob.glob(os.path.join(root, "*", "lib", "libnvrtc.so*"))):
+            return ctypes.CDLL(lib)
+    return ctypes.CDLL("libnvrtc.so")
+
+
+def cuda_close_resources(cfg) -> str:
+    """Registers, spills and SASS counts of the CUDA close built for sm_90 (as ``resources``)."""
+    import ctypes
+
+    from leapquant.ops.leapquant_decode import close_cuda
+
+    lib = _nvrtc()
+    prog = ctypes.c_void_p()
+    source = close_cuda.SOURCE.read_text().encode()
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), source, b"close.cu", 0, None, None) == 0
+    opts = [b"--gpu-architecture=sm_90", *(o.encode() for o in close_cuda.compile_options(cfg))]
+    res = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+    size = ctypes.c_size_t()
+    if res != 0:
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(prog, log)
+        raise RuntimeError(log.value.decode())
+    lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
+    cubin = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetCUBIN(prog, cubin)
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin.raw)
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+    out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout if SASS else ""
+    os.unlink(f.name)
+    reg, stack = re.search(r"REG:(\d+)", out).group(1), re.search(r"STACK:(\d+)", out).group(1)
+    text = f"registers {reg}, stack (spills) {stack} B, shared {close_cuda.shared_bytes(cfg)} B dynamic"
+    if SASS:
+        lines = [line for line in sass.splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/", line)]
+        counts = {op: sum(op in line for line in lines) for op in ("LDL", "STL", "BAR", "SHFL", "HMMA")}
+        text += f"; SASS {len(lines)} instructions, " + ", ".join(f"{k} {v}" for k, v in counts.items())
+    return text
+
+
+def cuda_closes() -> None:
+    from leapquant.ops import PoolConfig
+
+    try:
+        _nvrtc()
+    except (ImportError, OSError):
+        print("CUDA close: NVRTC is not installed here (pip install nvidia-cuda-nvrtc)")
+        return
+    cases = (("gdn", "int8", 16, 4), ("kda", "int8", 16, 4), ("gdn", "int4", 16, 8),
+             ("kda", "fp8-e4m3", 32, 4), ("gdn", "int8", 8, 0))  # fmt: skip
+    for family, residual, window, rank in cases:
+        cfg = PoolConfig(heads=32, d_k=128, d_v=128, window=window, compensators=rank, residual=residual,
+                         decay="vector" if family == "kda" else "scalar")  # fmt: skip
+        print(f"CUDA close, {family} {residual} p={window} r={rank}: {cuda_close_resources(cfg)}")
+
+
 def main() -> None:
     common = dict(rec_g="*fp32", rec_k="*fp16", rec_u="*fp16", pos="*i32", scale_v="*fp32", smooth="*fp32",
                   comp_k="*fp16", comp_u="*fp16", payload=PAYLOAD[2])  # fmt: skip
@@ -108,6 +176,7 @@ def main() -> None:
                       RESIDUAL=2, SMOOTH=True, VECTOR_DECAY=False, REC16=True)  # fmt: skip
         usage = resources(cc.boundary_kernel, boundary_ptrs, scalars, consts, 4)
         print(f"boundary kernel, {'load' if mode == cc.MODE_LOAD else 'materialize'}, 4 warps: {usage}")
+    cuda_closes()
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ bytes that must come through untouched.
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ import torch
 from leapquant.errors import LeapQuantError
 from leapquant.ops import LeapQuantPool, PoolConfig
 from leapquant.ops.leapquant_decode import LaunchConfig, leapquant_decode, load_states, materialize_states
-from leapquant.ops.leapquant_decode.close_cuda import compile_options, shared_bytes, unsupported
+from leapquant.ops.leapquant_decode.close_cuda import SOURCE, compile_options, shared_bytes, unsupported
 
 GPU = torch.cuda.is_available()
 
@@ -63,7 +62,7 @@ def test_cuda_close_on_a_cpu_pool_is_an_error_not_a_fallback():
 )
 def test_shared_memory_size_is_the_kernels_layout(cfg):
     """``shared_bytes`` (what the launch reserves) equals the ``SM_FLOATS`` of ``close.cu``'s layout."""
-    text = (Path(__file__).parents[1] / "leapquant/ops/leapquant_decode/close.cu").read_text()
+    text = SOURCE.read_text()  # where the launcher reads it: an installed package carries it too
     macros = dict(re.findall(r"^#define (SM_\w+) (.+?)(?:\s*//.*)?$", text, re.M))
     values = {"K": cfg.d_k, "V": cfg.d_v, "P": cfg.window, "R": cfg.compensators}
 

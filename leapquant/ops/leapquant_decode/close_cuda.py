@@ -19,10 +19,10 @@ import torch
 from ...errors import LeapQuantError
 from ..pool import LeapQuantPool, PoolConfig
 
-__all__ = ["THREADS", "compile_options", "launch_cuda_close", "shared_bytes", "unsupported"]
+__all__ = ["SOURCE", "THREADS", "compile_options", "launch_cuda_close", "shared_bytes", "unsupported"]
 
 THREADS = 256  # one block per closing head: 16 x 16 threads of 8 x 8 state entries each
-_SOURCE = Path(__file__).with_name("close.cu")
+SOURCE = Path(__file__).with_name("close.cu")  # shipped as package data (pyproject.toml)
 _RESIDUAL = {"int8": 2, "int6": 2, "fp8-e4m3": 3, "int4": 4}
 
 
@@ -67,7 +67,7 @@ def _kernel(cfg: PoolConfig, device: int):
             "lacks: use LaunchConfig(close_impl='triton')"
         )
     with torch.cuda.device(device):
-        kernel = compile_kernel(_SOURCE.read_text(), "leapquant_close", nvcc_options=compile_options(cfg))
+        kernel = compile_kernel(SOURCE.read_text(), "leapquant_close", nvcc_options=compile_options(cfg))
         kernel.set_shared_memory_config(shared_bytes(cfg))
     return kernel
 
