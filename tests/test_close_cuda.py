@@ -31,6 +31,8 @@ def test_unsupported_pools_say_why():
     assert unsupported(config()) is None
     assert unsupported(config(residual="int4", rank=8)) is None
     assert "head size" in unsupported(config(d=64))
+    assert "6 compensator tokens" in unsupported(config(rank=6))
+    assert unsupported(config(rank=3)) is None
     assert "residual 'bf16'" in unsupported(config(residual="bf16"))
     assert "residual 'fp32'" in unsupported(config(residual="fp32"))
 

@@ -96,7 +96,10 @@ if FULL:
 def close_impls(residual: str, rank: int) -> list[str]:
     """The window closes a GPU test runs: the Triton close, and the CUDA close where it applies (K = V =
     128, scaled residuals); the CPU has the Triton close only (the interpreter)."""
-    cuda = FULL and (K, V) == (128, 128) and residual in ("int8", "int6", "int4", "fp8-e4m3") and rank <= 8
+    from leapquant.ops.leapquant_decode.close_cuda import unsupported
+
+    cfg = PoolConfig(heads=2, d_k=K, d_v=V, compensators=rank, smoothing=rank > 0, residual=residual)
+    cuda = FULL and unsupported(cfg) is None
     return ["triton", "cuda"] if cuda else ["triton"]
 
 

@@ -26,7 +26,7 @@
 #define RG (R < 4 ? R : 4)  // tokens per group of a product (registers: 8 x RG partial sums)
 
 #if R > 8
-#error "at most 8 compensator tokens"
+#error "at most 8 compensator tokens (and 5 to 7 are not supported: close_cuda.unsupported)"
 #endif
 // Timing ablations (scripts/close_cuda_ablation.py; the states they leave are wrong): bit 0 leaves out the
 // tokens' and records' rank-one updates of the rebuild, bit 1 the fit, bit 2 the quantization arithmetic.

@@ -3,10 +3,10 @@
 Same arithmetic as :func:`close.close_kernel` and :func:`naive.close_ref` (checked against both on the GPU,
 ``tests/test_close_cuda.py``), with the state of a closing head held whole in the registers of one 256-thread
 block and rebuilt once, where the Triton close rebuilds it at each of its three passes.  It applies to
-``d_k = d_v = 128`` (the head size of Qwen3.5/Qwen3-Next and Kimi-Linear), scaled residuals (int8, int6, int4,
-fp8-e4m3) and up to 8 tokens; :func:`unsupported` says why another pool does not qualify, and those keep the
-Triton close.  The CPU (and the Triton interpreter) never runs it: CI tests the Triton close, and the
-GPU runs check this one against it.
+``d_k = d_v = 128`` (the head size of Qwen3.5/Qwen3-Next and Kimi-Linear), scaled residuals (int8, int6,
+int4, fp8-e4m3) and 0 to 4 or 8 tokens; :func:`unsupported` says why another pool does not qualify, and
+those keep the Triton close.  The CPU (and the Triton interpreter) never runs it: CI tests the Triton close,
+and the GPU runs check this one against it.
 """
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ def unsupported(cfg: PoolConfig) -> str | None:
         return f"head size d_k={cfg.d_k}, d_v={cfg.d_v} (the CUDA close is built for 128 x 128)"
     if cfg.residual not in _RESIDUAL:
         return f"residual {cfg.residual!r} (the CUDA close takes {', '.join(_RESIDUAL)})"
-    if cfg.compensators > 8:
-        return f"{cfg.compensators} compensator tokens (the CUDA close takes at most 8)"
+    if cfg.compensators > 4 and cfg.compensators != 8:
+        # its products take tokens four at a time: 5 to 7 would leave a partial group of four
+        return f"{cfg.compensators} compensator tokens (the CUDA close takes 0 to 4, or 8)"
     return None
 
 
