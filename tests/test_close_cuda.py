@@ -32,9 +32,26 @@ def test_unsupported_pools_say_why():
     assert unsupported(config(residual="int4", rank=8)) is None
     assert "head size" in unsupported(config(d=64))
     assert "6 compensator tokens" in unsupported(config(rank=6))
+    assert "window 256" in unsupported(config(window=256))  # its shared memory would not fit a block
     assert unsupported(config(rank=3)) is None
     assert "residual 'bf16'" in unsupported(config(residual="bf16"))
     assert "residual 'fp32'" in unsupported(config(residual="fp32"))
+
+
+def test_auto_keeps_the_triton_close_where_torch_cannot_build_the_cuda_one(monkeypatch):
+    from leapquant.ops.leapquant_decode import _cuda_close, close_cuda
+
+    pool = LeapQuantPool.allocate(config(heads=2), 1, "cpu")
+    monkeypatch.setattr(
+        type(pool), "device", property(lambda self: torch.device("cuda", 0))
+    )  # as if on a GPU
+    monkeypatch.delattr(torch.cuda, "_compile_kernel", raising=False)
+    assert "no torch.cuda._compile_kernel" in close_cuda.unavailable()
+    assert _cuda_close(pool, LaunchConfig()) is False  # auto: the Triton close
+    with pytest.raises(
+        LeapQuantError, match=r"close_impl='cuda' does not apply: torch .* no torch\.cuda\._compile"
+    ):
+        _cuda_close(pool, LaunchConfig(close_impl="cuda"))
 
 
 def test_launch_rejects_an_unknown_close():

@@ -292,11 +292,14 @@ def _close_shape(pool: LeapQuantPool, launch: LaunchConfig) -> dict:
 
 def _cuda_close(pool: LeapQuantPool, launch: LaunchConfig) -> bool:
     """Whether the window close of ``pool`` runs as the CUDA kernel (``launch.close_impl``)."""
-    from .close_cuda import unsupported
+    from .close_cuda import unavailable, unsupported
 
     if launch.close_impl == "triton":
         return False
-    reason = "the pool is not on a GPU" if pool.device.type != "cuda" else unsupported(pool.config)
+    if pool.device.type != "cuda":
+        reason = "the pool is not on a GPU"
+    else:
+        reason = unsupported(pool.config) or unavailable()
     if launch.close_impl == "cuda" and reason is not None:
         raise LeapQuantError(f"launch: close_impl='cuda' does not apply: {reason}")
     return reason is None

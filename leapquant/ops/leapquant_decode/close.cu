@@ -15,8 +15,9 @@
 //
 // Persistent: block b closes list entries b, b + gridDim.x, ... (the step kernel wrote the list).
 
-#ifndef LQ_P
-#error "LQ_P (window) must be defined"
+#if !defined(LQ_P) || !defined(LQ_R) || !defined(LQ_ITERS) || !defined(LQ_RESIDUAL) || !defined(LQ_SMOOTH) || \
+    !defined(LQ_VECTOR_DECAY) || !defined(LQ_REC16)
+#error "close.cu is built by close_cuda.py, which defines LQ_P, LQ_R, LQ_ITERS, LQ_RESIDUAL, LQ_SMOOTH, ..."
 #endif
 #define K 128
 #define V 128

@@ -19,9 +19,13 @@ import torch
 from ...errors import LeapQuantError
 from ..pool import LeapQuantPool, PoolConfig
 
-__all__ = ["SOURCE", "THREADS", "compile_options", "launch_cuda_close", "shared_bytes", "unsupported"]
+__all__ = [
+    "MAX_SHARED", "SOURCE", "THREADS", "compile_options", "launch_cuda_close", "shared_bytes", "unavailable",
+    "unsupported",
+]  # fmt: skip
 
 THREADS = 256  # one block per closing head: 16 x 16 threads of 8 x 8 state entries each
+MAX_SHARED = 227 * 1024  # a block's shared memory on Hopper (opt-in), and below it on older GPUs: checked
 SOURCE = Path(__file__).with_name("close.cu")  # shipped as package data (pyproject.toml)
 _RESIDUAL = {"int8": 2, "int6": 2, "fp8-e4m3": 3, "int4": 4}
 
@@ -35,6 +39,15 @@ def unsupported(cfg: PoolConfig) -> str | None:
     if cfg.compensators > 4 and cfg.compensators != 8:
         # its products take tokens four at a time: 5 to 7 would leave a partial group of four
         return f"{cfg.compensators} compensator tokens (the CUDA close takes 0 to 4, or 8)"
+    if shared_bytes(cfg) > MAX_SHARED:
+        return f"window {cfg.window}: {shared_bytes(cfg)} B of shared memory per block, over {MAX_SHARED}"
+    return None
+
+
+def unavailable() -> str | None:
+    """Why this torch cannot build the CUDA close (``None``: it can)."""
+    if not hasattr(torch.cuda, "_compile_kernel"):
+        return f"torch {torch.__version__} has no torch.cuda._compile_kernel (NVRTC)"
     return None
 
 
@@ -61,14 +74,15 @@ def shared_bytes(cfg: PoolConfig) -> int:
 
 @functools.cache
 def _kernel(cfg: PoolConfig, device: int):
-    compile_kernel = getattr(torch.cuda, "_compile_kernel", None)
-    if compile_kernel is None:
+    reason = unavailable()
+    if reason is not None:
         raise LeapQuantError(
-            f"the CUDA close needs torch.cuda._compile_kernel (NVRTC), which torch {torch.__version__} "
-            "lacks: use LaunchConfig(close_impl='triton')"
+            f"the CUDA close cannot be built: {reason}; use LaunchConfig(close_impl='triton')"
         )
     with torch.cuda.device(device):
-        kernel = compile_kernel(SOURCE.read_text(), "leapquant_close", nvcc_options=compile_options(cfg))
+        kernel = torch.cuda._compile_kernel(
+            SOURCE.read_text(), "leapquant_close", nvcc_options=compile_options(cfg)
+        )
         kernel.set_shared_memory_config(shared_bytes(cfg))
     return kernel
 
@@ -91,5 +105,6 @@ def launch_cuda_close(pool: LeapQuantPool, blocks: int) -> None:
         t.get("comp_u", dummy), t["rec_g"], t["rec_k"], t["rec_u"], t["pos"], float(SMOOTHING_FLOOR),
         float(RESIDUAL_CODES[cfg.residual][1]),
     ]  # fmt: skip
-    kernel = _kernel(cfg, pool.device.index if pool.device.index is not None else torch.cuda.current_device())
-    kernel(grid=(blocks, 1, 1), block=(THREADS, 1, 1), args=args, shared_mem=shared_bytes(cfg))
+    with torch.cuda.device(pool.device):  # the pool's device and its current stream, not the caller's device
+        kernel = _kernel(cfg, torch.cuda.current_device())
+        kernel(grid=(blocks, 1, 1), block=(THREADS, 1, 1), args=args, shared_mem=shared_bytes(cfg))
