@@ -48,14 +48,19 @@ def resources(kernel, pointers: dict, scalars: dict, consts: dict, warps: int, m
     options = {"num_warps": warps, "maxnreg": maxnreg}
     compiled = triton.compile(ASTSource(fn=fn, signature=types, constexprs=constexprs, attrs=attrs),
                               target=TARGET, options=options)  # fmt: skip
+    return cubin_report(compiled.asm["cubin"], f"shared {compiled.metadata.shared} B")
+
+
+def cubin_report(cubin: bytes, shared: str) -> str:
+    """Registers and spills of a cubin (and, with ``--sass``, its static SASS counts), from cuobjdump."""
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(compiled.asm["cubin"])
+        f.write(cubin)
     tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
     out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
     sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout if SASS else ""
     os.unlink(f.name)
     reg, stack = re.search(r"REG:(\d+)", out).group(1), re.search(r"STACK:(\d+)", out).group(1)
-    text = f"registers {reg}, stack (spills) {stack} B, shared {compiled.metadata.shared} B"
+    text = f"registers {reg}, stack (spills) {stack} B, {shared}"
     if SASS:
         lines = [line for line in sass.splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/", line)]
         counts = {op: sum(op in line for line in lines) for op in ("LDL", "STL", "BAR", "SHFL", "HMMA")}
@@ -77,7 +82,7 @@ def _nvrtc():
 
 
 def cuda_close_resources(cfg) -> str:
-    """Registers, spills and SASS counts of the CUDA close built for sm_90 (as ``resources``)."""
+    """Registers, spills and SASS counts of the CUDA close built for sm_90 by NVRTC."""
     import ctypes
 
     from leapquant.ops.leapquant_decode import close_cuda
@@ -97,19 +102,7 @@ def cuda_close_resources(cfg) -> str:
     lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
     cubin = ctypes.create_string_buffer(size.value)
     lib.nvrtcGetCUBIN(prog, cubin)
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(cubin.raw)
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
-    out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-    sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout if SASS else ""
-    os.unlink(f.name)
-    reg, stack = re.search(r"REG:(\d+)", out).group(1), re.search(r"STACK:(\d+)", out).group(1)
-    text = f"registers {reg}, stack (spills) {stack} B, shared {close_cuda.shared_bytes(cfg)} B dynamic"
-    if SASS:
-        lines = [line for line in sass.splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/", line)]
-        counts = {op: sum(op in line for line in lines) for op in ("LDL", "STL", "BAR", "SHFL", "HMMA")}
-        text += f"; SASS {len(lines)} instructions, " + ", ".join(f"{k} {v}" for k, v in counts.items())
-    return text
+    return cubin_report(cubin.raw, f"shared {close_cuda.shared_bytes(cfg)} B dynamic")
 
 
 def cuda_closes() -> None:

@@ -39,7 +39,7 @@ def test_unsupported_pools_say_why():
 
 
 def test_auto_keeps_the_triton_close_where_torch_cannot_build_the_cuda_one(monkeypatch):
-    from leapquant.ops.leapquant_decode import _cuda_close, close_cuda
+    from leapquant.ops.leapquant_decode import _resolve_close, close_cuda
 
     pool = LeapQuantPool.allocate(config(heads=2), 1, "cpu")
     monkeypatch.setattr(
@@ -47,11 +47,11 @@ def test_auto_keeps_the_triton_close_where_torch_cannot_build_the_cuda_one(monke
     )  # as if on a GPU
     monkeypatch.delattr(torch.cuda, "_compile_kernel", raising=False)
     assert "no torch.cuda._compile_kernel" in close_cuda.unavailable()
-    assert _cuda_close(pool, LaunchConfig()) is False  # auto: the Triton close
+    assert _resolve_close(pool, LaunchConfig()) == "triton"  # auto: the Triton close
     with pytest.raises(
         LeapQuantError, match=r"close_impl='cuda' does not apply: torch .* no torch\.cuda\._compile"
     ):
-        _cuda_close(pool, LaunchConfig(close_impl="cuda"))
+        _resolve_close(pool, LaunchConfig(close_impl="cuda"))
 
 
 def test_launch_rejects_an_unknown_close():

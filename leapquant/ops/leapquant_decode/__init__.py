@@ -171,9 +171,10 @@ def _tensor_core_step(cfg, launch: LaunchConfig) -> bool:
 
 def _launch_step(
     pool, slots, q, k, v, g, beta, b_read, a_log, dt_bias, qk_scale, native, l2norm, sigmoid, pre, launch,
-    advance, *, close: bool = False,
+    advance, *, close: str | None = None,
 ):  # fmt: skip
-    """One step of every head in ``slots``; with ``close``, also the window closes it leads to.
+    """One step of every head in ``slots``; with ``close`` (``"cuda"`` or ``"triton"``, from
+    :func:`_resolve_close`), also the window closes it leads to, by that kernel.
 
     With ``launch.overlap_close`` the heads that fill their window this step (a snapshot of the window
     positions says which) step and close on a side stream while the others step on the current one: the
@@ -198,8 +199,8 @@ def _launch_step(
     list_, count = pool.close_list()
     overlap = launch.overlap_close
     if overlap is None:
-        overlap = not (close and _cuda_close(pool, launch))
-    split = close and advance and overlap
+        overlap = close != "cuda"
+    split = close is not None and advance and overlap
     closing = (t["pos"] == cfg.window - 1).to(torch.int8) if split else dummy
     args = (
         q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(),
@@ -232,11 +233,11 @@ def _launch_step(
 
     if not split:
         step(SUBSET_ALL)
-        if close:
-            _launch_close(pool, n, launch)
+        if close is not None:
+            _launch_close(pool, n, launch, close)
     elif pool.device.type != "cuda":  # the interpreter: same launches, one after the other
         step(SUBSET_CLOSING)
-        _launch_close(pool, n, launch)
+        _launch_close(pool, n, launch, close)
         step(SUBSET_OTHERS)
     else:
         main, side = torch.cuda.current_stream(pool.device), pool.side_stream()
@@ -247,7 +248,7 @@ def _launch_step(
                     x.record_stream(side)  # allocated on the main stream, used on both
         with torch.cuda.stream(side):
             step(SUBSET_CLOSING)
-            _launch_close(pool, n, launch)
+            _launch_close(pool, n, launch, close)
         step(SUBSET_OTHERS)
         main.wait_stream(side)
     return out
@@ -290,27 +291,28 @@ def _close_shape(pool: LeapQuantPool, launch: LaunchConfig) -> dict:
                 REC16=cfg.records == "fp16", num_warps=launch.close_warps)  # fmt: skip
 
 
-def _cuda_close(pool: LeapQuantPool, launch: LaunchConfig) -> bool:
-    """Whether the window close of ``pool`` runs as the CUDA kernel (``launch.close_impl``)."""
+def _resolve_close(pool: LeapQuantPool, launch: LaunchConfig) -> str:
+    """The window close ``pool`` runs, ``"cuda"`` or ``"triton"`` (``launch.close_impl``), decided once per
+    step, before any launch: a ``"cuda"`` that cannot run fails here, before the step changes the pool."""
     from .close_cuda import unavailable, unsupported
 
     if launch.close_impl == "triton":
-        return False
+        return "triton"
     if pool.device.type != "cuda":
         reason = "the pool is not on a GPU"
     else:
         reason = unsupported(pool.config) or unavailable()
     if launch.close_impl == "cuda" and reason is not None:
         raise LeapQuantError(f"launch: close_impl='cuda' does not apply: {reason}")
-    return reason is None
+    return "triton" if reason is not None else "cuda"
 
 
-def _launch_close(pool: LeapQuantPool, n: int, launch: LaunchConfig) -> None:
-    """Close the windows of the heads the step kernel listed."""
+def _launch_close(pool: LeapQuantPool, n: int, launch: LaunchConfig, impl: str) -> None:
+    """Close the windows of the heads the step kernel listed, by the ``impl`` close."""
     from .close import close_kernel
 
     cfg = pool.config
-    if _cuda_close(pool, launch):
+    if impl == "cuda":
         from .close_cuda import launch_cuda_close
 
         launch_cuda_close(pool, _close_grid(pool, n, launch.close_cuda_blocks_per_sm))
@@ -386,12 +388,11 @@ def leapquant_decode(
     qk_scale = cfg.d_k**-0.5 if scale is None else float(scale)
     if _use_triton(pool, backend):
         launch = launch or LaunchConfig.tuned(cfg.decay, cfg.compensators)
-        if boundary:
-            _cuda_close(pool, launch)  # a close that cannot run fails here, before the step changes the pool
+        close = _resolve_close(pool, launch) if boundary else None
         pool.close_list()[1].zero_()
         return _launch_step(
             pool, slots, q, k, v, g, beta, None, A_log, dt_bias, qk_scale,
-            True, use_qk_l2norm, beta_sigmoid, False, launch, boundary, close=boundary,
+            True, use_qk_l2norm, beta_sigmoid, False, launch, boundary, close=close,
         )  # fmt: skip
     if A_log is not None:
         g = naive.activate_gate(g, A_log, dt_bias)
@@ -448,7 +449,7 @@ def leapquant_step_records(
             readout == "pre",
             launch,
             True,
-            close=True,
+            close=_resolve_close(pool, launch),
         )
         return out
     out = naive.step_ref(pool, slots, g.float(), kw.float(), b.float(), v.float(), q.float(), readout=readout)

@@ -20,22 +20,22 @@ from ...errors import LeapQuantError
 from ..pool import LeapQuantPool, PoolConfig
 
 __all__ = [
-    "MAX_SHARED", "SOURCE", "THREADS", "compile_options", "launch_cuda_close", "shared_bytes", "unavailable",
-    "unsupported",
+    "MAX_SHARED", "SCALED_RESIDUALS", "SOURCE", "THREADS", "compile_options", "launch_cuda_close",
+    "shared_bytes", "unavailable", "unsupported",
 ]  # fmt: skip
 
 THREADS = 256  # one block per closing head: 16 x 16 threads of 8 x 8 state entries each
 MAX_SHARED = 227 * 1024  # a block's shared memory on Hopper (opt-in), and below it on older GPUs: checked
 SOURCE = Path(__file__).with_name("close.cu")  # shipped as package data (pyproject.toml)
-_RESIDUAL = {"int8": 2, "int6": 2, "fp8-e4m3": 3, "int4": 4}
+SCALED_RESIDUALS = ("int8", "int6", "int4", "fp8-e4m3")  # close.cu takes fused_recurrent.RESIDUAL_CODES
 
 
 def unsupported(cfg: PoolConfig) -> str | None:
     """Why the CUDA close does not apply to pools of ``cfg`` (``None``: it does)."""
     if (cfg.d_k, cfg.d_v) != (128, 128):
         return f"head size d_k={cfg.d_k}, d_v={cfg.d_v} (the CUDA close is built for 128 x 128)"
-    if cfg.residual not in _RESIDUAL:
-        return f"residual {cfg.residual!r} (the CUDA close takes {', '.join(_RESIDUAL)})"
+    if cfg.residual not in SCALED_RESIDUALS:
+        return f"residual {cfg.residual!r} (the CUDA close takes {', '.join(SCALED_RESIDUALS)})"
     if cfg.compensators > 4 and cfg.compensators != 8:
         # its products take tokens four at a time: 5 to 7 would leave a partial group of four
         return f"{cfg.compensators} compensator tokens (the CUDA close takes 0 to 4, or 8)"
@@ -53,11 +53,13 @@ def unavailable() -> str | None:
 
 def compile_options(cfg: PoolConfig) -> list[str]:
     """NVRTC options that specialise ``close.cu`` to pools of ``cfg``."""
+    from .fused_recurrent import RESIDUAL_CODES
+
     defines = {
         "LQ_P": cfg.window,
         "LQ_R": cfg.compensators,
         "LQ_ITERS": cfg.power_iters,
-        "LQ_RESIDUAL": _RESIDUAL[cfg.residual],
+        "LQ_RESIDUAL": RESIDUAL_CODES[cfg.residual][0],
         "LQ_SMOOTH": int(cfg.smoothing),
         "LQ_VECTOR_DECAY": int(cfg.decay == "vector"),
         "LQ_REC16": int(cfg.records == "fp16"),
@@ -94,7 +96,7 @@ def launch_cuda_close(pool: LeapQuantPool, blocks: int) -> None:
     from .fused_recurrent import RESIDUAL_CODES
 
     cfg = pool.config
-    reason = unsupported(cfg)
+    reason = unsupported(cfg)  # callers decide once a step (_resolve_close); this guards direct calls
     if reason is not None:
         raise LeapQuantError(f"the CUDA close does not apply: {reason}")
     t = pool.tensors
