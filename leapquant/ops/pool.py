@@ -244,6 +244,20 @@ class LeapQuantPool:
     def device(self) -> torch.device:
         return self.tensors["pos"].device
 
+    def is_contiguous(self) -> bool:
+        """Whether every tensor is contiguous, as the kernels index it (a view over an engine's paged cache
+        is strided along slots: :func:`leapquant.integrations.vllm.adapter.pool_view`)."""
+        return all(t.is_contiguous() for t in self.tensors.values())
+
+    def gather(self, slots: torch.Tensor) -> LeapQuantPool:
+        """A contiguous copy of ``slots`` (int64, no padding) as a pool of ``len(slots)`` slots."""
+        return LeapQuantPool(self.config, {name: t[slots] for name, t in self.tensors.items()})
+
+    def scatter(self, slots: torch.Tensor, source: LeapQuantPool) -> None:
+        """Write the slots of ``source`` (a :meth:`gather` of ``slots``) back to ``slots``."""
+        for name, t in self.tensors.items():
+            t[slots] = source.tensors[name]
+
     def __getattr__(self, name: str) -> torch.Tensor:
         tensors = self.__dict__.get("tensors", {})
         if name in tensors:

@@ -22,7 +22,14 @@ from ...errors import LeapQuantError
 from ..pool import LeapQuantPool
 from . import naive
 
-__all__ = ["LaunchConfig", "leapquant_decode", "leapquant_step_records", "load_states", "materialize_states"]
+__all__ = [
+    "LaunchConfig",
+    "leapquant_decode",
+    "leapquant_step_records",
+    "load_states",
+    "materialize_states",
+    "runs_kernels",
+]
 
 BACKENDS = ("auto", "triton", "reference")
 CLOSE_IMPLS = ("auto", "cuda", "triton")
@@ -128,6 +135,12 @@ class LaunchConfig:
             raise LeapQuantError(
                 f"launch: close_programs_per_sm must be >= 1, got {self.close_programs_per_sm}"
             )
+
+
+def runs_kernels(pool: LeapQuantPool, backend: str = "auto") -> bool:
+    """Whether the ops run the Triton kernels on ``pool`` for ``backend`` (they need contiguous pool tensors,
+    :meth:`LeapQuantPool.is_contiguous`); otherwise they run the torch reference, which takes any strides."""
+    return _use_triton(pool, backend)
 
 
 def _use_triton(pool: LeapQuantPool, backend: str) -> bool:
