@@ -40,7 +40,7 @@ def paged_pool(cfg, slots: int, page_bytes: int, gen: torch.Generator):
         offset += nbytes
     assert offset <= page_bytes
     pool = pool_view(cfg, tensors)
-    for name, t in pool.tensors.items():  # real slots start from a valid zero state; poison stays elsewhere
+    for t in pool.tensors.values():  # finite floats (random bytes may be NaN), positions 0; prefill resets
         if t.is_floating_point():
             t.copy_(torch.randn(t.shape, generator=gen).to(DEVICE, t.dtype))
     pool.tensors["pos"].zero_()
@@ -75,7 +75,7 @@ def _gates(family, hv, d):
 
 
 def run_scenario(family: str, method: str, backend: str, *, h=1, hv=2, d=32, seed=0):
-    """Runs STEPS through the adapter; returns per-request outputs, the pool, the pages and a pristine copy."""
+    """STEPS through the adapter: per-request outputs, the pool, its pages and their copy from before."""
     gen = torch.Generator().manual_seed(seed)
     cfg = pool_config(method, heads=hv, d_k=d, d_v=d, decay="vector" if family == "kda" else "scalar")
     pages, pool = paged_pool(cfg, 10, CONV_BYTES + cfg.bytes_per_slot() + 64, gen)
@@ -111,12 +111,14 @@ def run_scenario(family: str, method: str, backend: str, *, h=1, hv=2, d=32, see
             num_actual_tokens=cu[-1] + pad,
             non_spec_state_indices_tensor=torch.tensor(slots, dtype=torch.int32, device=DEVICE),
             non_spec_query_start_loc=torch.tensor(cu, dtype=torch.int32, device=DEVICE),
-            has_initial_state=torch.tensor([seen[r] > 0 for r, _ in rows], device=DEVICE) if prefills else None,
+            has_initial_state=torch.tensor([seen[r] > 0 for r, _ in rows], device=DEVICE)
+            if prefills
+            else None,
         )
         out = torch.full((cu[-1] + pad, hv, d), float("nan"), device=DEVICE)
         run_linear_attention(pool, batch, *fields.values(), A_log=a_log, dt_bias=dt_bias, prefill=prefill,
                              out=out, backend=backend)  # fmt: skip
-        for i, (r, (lo, hi)) in enumerate(slices.items()):
+        for i, (r, (_, hi)) in enumerate(slices.items()):
             outputs[r].append(out[cu[i] : cu[i + 1]])
             seen[r] = hi
         assert not out[cu[-1] :].any(), "padded rows must read zeros"
@@ -216,7 +218,7 @@ def test_pool_view_rejects_a_wrong_layout():
     tensors = list(pool.tensors.values())
     with pytest.raises(LeapQuantError, match="state tensors given"):
         pool_view(cfg, tensors[:-1])
-    with pytest.raises(LeapQuantError, match="state payload is torch.uint8"):
+    with pytest.raises(LeapQuantError, match=r"state payload is torch\.uint8"):
         pool_view(cfg, [tensors[0].view(torch.uint8), *tensors[1:]])
     with pytest.raises(LeapQuantError, match="has no pool layout"):
         pool_config("fp32", heads=2, d_k=32, d_v=32, decay="scalar")

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from ...errors import LeapQuantError
 
-__all__ = ["CONFIG_KEY", "configured_method", "register"]
+__all__ = ["ARCHITECTURE", "CONFIG_KEY", "configured_method", "register"]
 
 CONFIG_KEY = "leapquant_method"
-_ARCHITECTURE = "Qwen3NextForCausalLM"
+ARCHITECTURE = "Qwen3NextForCausalLM"
 
 
 def configured_method(vllm_config) -> str | None:
@@ -46,10 +46,31 @@ def register() -> None:
     if _registered:
         return
     from vllm import ModelRegistry
+    from vllm.model_executor.layers.mamba.abstract import MambaBase
     from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
 
     from .layer import LeapQuantGatedDeltaNetAttention
 
     QwenGatedDeltaNetAttention.register_oot(LeapQuantGatedDeltaNetAttention)
-    ModelRegistry.register_model(_ARCHITECTURE, "leapquant.integrations.vllm.layer:LeapQuantQwen3NextForCausalLM")
+    ModelRegistry.register_model(
+        ARCHITECTURE, "leapquant.integrations.vllm.layer:LeapQuantQwen3NextForCausalLM"
+    )
+    MambaBase.get_kv_cache_spec = _refuse_other_layers(MambaBase.get_kv_cache_spec)
     _registered = True
+
+
+def _refuse_other_layers(get_kv_cache_spec):
+    """Every recurrent layer of vLLM declares its state through ``get_kv_cache_spec`` at engine start: with
+    the switch on, a layer that keeps vLLM's own state (KDA, Mamba, a model the plugin does not cover) stops
+    the engine there, so a LeapQuant run never silently decodes with a full-precision state."""
+
+    def guarded(self, vllm_config):
+        method = configured_method(vllm_config)
+        if method is not None and getattr(self, "leapquant", None) is None:
+            raise LeapQuantError(
+                f"{CONFIG_KEY}={method!r}: {type(self).__name__} layers have no LeapQuant state in vLLM "
+                f"(the plugin covers the GDN layers of {ARCHITECTURE}); remove the switch for this model"
+            )
+        return get_kv_cache_spec(self, vllm_config)
+
+    return guarded

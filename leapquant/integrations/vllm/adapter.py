@@ -110,9 +110,9 @@ class LinearAttentionBatch:
 
 
 def _on_slots(pool: LeapQuantPool, slots: torch.Tensor, backend: str, op, *, writes: bool = True):
-    """``op(pool, slots)``, or, where the kernels run on a strided (paged) pool, ``op`` on a contiguous copy of
-    the slots it names, written back afterwards. The kernels index slots as ``slot * per-slot numel``; the
-    copy costs a gather and a scatter of the touched slots, which a kernel taking slot strides would save."""
+    """``op(pool, slots)``; where the kernels run on a strided (paged) pool, ``op`` on a contiguous copy of
+    the slots it names, written back afterwards. The kernels index slots as ``slot * per-slot numel``: the
+    copy costs a gather and a scatter of the touched slots, which kernels taking slot strides would save."""
     from ...ops.leapquant_decode import runs_kernels
 
     if pool.is_contiguous() or not runs_kernels(pool, backend):

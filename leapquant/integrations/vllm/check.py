@@ -5,7 +5,7 @@ blocks vLLM fits in the same memory against the planner's prediction.
 Run with the Python that has vLLM (each engine runs in a subprocess of its own)::
 
     python -m leapquant.integrations.vllm.check --tiny /tmp/tiny-qwen3-next --method leapquant-int8
-    python -m leapquant.integrations.vllm.check --model /path/to/Qwen3-Next --method leapquant-int8 --json r.json
+    python -m leapquant.integrations.vllm.check --model /path/to/Qwen3-Next --json report.json
 
 ``--tiny DIR`` first writes a small random Qwen3-Next (3 GDN layers with grouped value heads of 128x128,
 one full-attention layer, MoE) to ``DIR`` with transformers: no download needed.
@@ -25,12 +25,23 @@ __all__ = ["PROMPT_LENGTHS", "compare", "engine_report", "make_tiny_qwen3_next",
 
 PROMPT_LENGTHS = (5, 40, 130, 600)  # 600 > one 512-token block: a prefix-cache hit when asked again
 UNRELATED_LENGTH = 70
+TOP_LOGPROBS = 5
 
 
-def make_tiny_qwen3_next(path: str | Path, *, linear_layers: int = 3, value_heads: int = 4, key_heads: int = 2,
-                         head_dim: int = 128, seed: int = 0) -> Path:  # fmt: skip
+def make_tiny_qwen3_next(
+    path: str | Path,
+    *,
+    linear_layers: int = 3,
+    value_heads: int = 4,
+    key_heads: int = 2,
+    head_dim: int = 128,
+    logit_scale: float = 40.0,
+    seed: int = 0,
+) -> Path:
     """A random bf16 Qwen3-Next checkpoint: ``linear_layers`` GDN layers then one full-attention layer, the
-    last two layers MoE (vLLM's Qwen3-Next needs at least one), vocabulary 512."""
+    last two layers MoE (vLLM's Qwen3-Next needs at least one), vocabulary 512. ``logit_scale`` multiplies the
+    LM head: at the default init its logits are nearly flat (top-1 within ~0.01 nat of the next), so any
+    rounding flips greedy tokens; scaled, greedy decoding follows the state as a trained model's would."""
     import torch
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
@@ -45,7 +56,10 @@ def make_tiny_qwen3_next(path: str | Path, *, linear_layers: int = 3, value_head
         decoder_sparse_step=1, mlp_only_layers=list(range(layers - 2)), tie_word_embeddings=False,
     )  # fmt: skip
     torch.manual_seed(seed)
-    model = Qwen3NextForCausalLM(config).to(torch.bfloat16)
+    model = Qwen3NextForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(logit_scale)
+    model = model.to(torch.bfloat16)
     path = Path(path)
     model.save_pretrained(path)
     return path
@@ -90,12 +104,15 @@ def engine_report(model: str, method: str | None, *, max_tokens: int = 24, prefi
         extra |= {"tensor_parallel_size": tp, "distributed_executor_backend": "mp"}
     llm = LLM(model=model, dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True, seed=0,
               max_model_len=max_model_len, enable_prefix_caching=prefix_caching, **extra)  # fmt: skip
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=TOP_LOGPROBS, ignore_eos=True)
 
     def run(prompts):
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        return [{"tokens": list(o.outputs[0].token_ids),
-                 "logprobs": [next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs]} for o in outs]  # fmt: skip
+        return [
+            {"tokens": list(o.outputs[0].token_ids),
+             "top": [{str(t): x.logprob for t, x in lp.items()} for lp in o.outputs[0].logprobs]}
+            for o in outs
+        ]  # fmt: skip
 
     prompts = [_prompt(n, i) for i, n in enumerate(PROMPT_LENGTHS)]
     batch = run(prompts)
@@ -113,7 +130,9 @@ def engine_report(model: str, method: str | None, *, max_tokens: int = 24, prefi
     for rank_before, rank_after in zip(before, after, strict=True):
         for name, b in rank_before.items():
             a = rank_after[name]
-            changed = [i for i, (x, y) in enumerate(zip(b["slot_sums"], a["slot_sums"], strict=True)) if x != y]
+            changed = [
+                i for i, (x, y) in enumerate(zip(b["slot_sums"], a["slot_sums"], strict=True)) if x != y
+            ]
             # a slot the unrelated request changed must have been an empty (all-zero) block before
             report["untouched"] &= all(b["slot_sums"][i] == 0 for i in changed)
             report["layers"].append({"name": name, "dtypes": b["dtypes"], "shapes": b["shapes"],
@@ -140,13 +159,19 @@ def _engine_in_subprocess(model: str, method: str | None, args) -> dict:
 
 
 def compare(baseline: dict, method: dict, planner: dict | None) -> dict:
-    """Token agreement and logprob gaps of ``method`` against ``baseline``, and the block gain."""
+    """Greedy-token agreement (length of the equal prefix) and top-logprob gaps of ``method`` against
+    ``baseline``, and its gain in KV-cache blocks (and the planner's, given ``planner_slot_bytes``)."""
     rows = []
     for base, got in zip(baseline["batch"], method["batch"], strict=True):
         agree = next((i for i, (x, y) in enumerate(zip(base["tokens"], got["tokens"])) if x != y),
                      len(base["tokens"]))  # fmt: skip
-        gaps = [abs(x - y) for x, y in zip(base["logprobs"][:agree], got["logprobs"][:agree])]
-        rows.append({"agree_prefix": agree, "of": len(base["tokens"]), "max_logprob_gap": max(gaps, default=0.0)})
+        # logprob gaps of the tokens both runs rank in their top TOP_LOGPROBS, where the contexts still agree
+        gaps = [
+            abs(x[t] - y[t]) for x, y in zip(base["top"][:agree], got["top"][:agree]) for t in x if t in y
+        ]
+        rows.append(
+            {"agree_prefix": agree, "of": len(base["tokens"]), "max_logprob_gap": max(gaps, default=0.0)}
+        )
     result = {"requests": rows, "block_gain": method["num_blocks"] / baseline["num_blocks"]}
     if planner:
         result["planner_gain"] = planner["baseline_slot_bytes"] / planner["method_slot_bytes"]
@@ -165,7 +190,9 @@ def planner_slot_bytes(model: str, method: str, tp: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m leapquant.integrations.vllm.check", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m leapquant.integrations.vllm.check", description=__doc__.split("\n\n")[0]
+    )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="a Qwen3-Next checkpoint directory vLLM can load")
     src.add_argument("--tiny", metavar="DIR", help="write a small random Qwen3-Next to DIR and check it")
@@ -173,7 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (CPU: one core each)")
     p.add_argument("--max-tokens", type=int, default=24, help="greedy tokens per prompt (default 24)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")
-    p.add_argument("--kv-cache-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE, whole GiB (default 1)")
+    p.add_argument(
+        "--kv-cache-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE, whole GiB (default 1)"
+    )
     p.add_argument("--json", help="write the reports and the comparison here")
     p.add_argument("--engine-only", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -193,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     planner = planner_slot_bytes(model, args.method, args.tp)
     result = compare(baseline, method, planner)
     for i, row in enumerate(result["requests"]):
-        print(f"prompt {PROMPT_LENGTHS[i]:>4} tokens: first {row['agree_prefix']}/{row['of']} greedy tokens equal, "
+        print(f"prompt {PROMPT_LENGTHS[i]:>4} tokens: first {row['agree_prefix']}/{row['of']} greedy tokens "
+              "equal, "
               f"max |logprob gap| {row['max_logprob_gap']:.3g}")  # fmt: skip
     print(f"state tensors: {method['layers'][0]['dtypes']}")
     print(f"KV-cache blocks in the same memory: {baseline['num_blocks']} -> {method['num_blocks']} "

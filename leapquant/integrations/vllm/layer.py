@@ -40,7 +40,7 @@ from vllm.utils.torch_utils import (
 
 from ...errors import LeapQuantError
 from ...ops.pool import PoolConfig
-from . import CONFIG_KEY, configured_method
+from . import ARCHITECTURE, CONFIG_KEY, configured_method
 from .adapter import pool_config, pool_view, run_linear_attention, state_dtypes, state_shapes
 
 __all__ = ["LeapQuantGatedDeltaNetAttention", "LeapQuantQwen3NextForCausalLM"]
@@ -51,11 +51,14 @@ def _gdn_pool(vllm_config) -> PoolConfig | None:
     method = configured_method(vllm_config)
     if method is None:
         return None
+    arch = vllm_config.model_config.architecture
+    if arch != ARCHITECTURE:  # e.g. Qwen3.5: its page sizing and copy functions are not ours yet
+        raise LeapQuantError(f"{CONFIG_KEY}: {arch} is not covered (the plugin runs {ARCHITECTURE})")
     hf = vllm_config.model_config.hf_text_config
     tp = vllm_config.parallel_config.tensor_parallel_size
     if hf.linear_num_value_heads % tp:
         raise LeapQuantError(
-            f"leapquant: {hf.linear_num_value_heads} GDN value heads do not split over tensor_parallel_size={tp}"
+            f"leapquant: {hf.linear_num_value_heads} GDN value heads do not split over {tp} ranks"
         )
     return pool_config(method, heads=hf.linear_num_value_heads // tp, d_k=hf.linear_key_head_dim,
                        d_v=hf.linear_value_head_dim, decay="scalar")  # fmt: skip
@@ -82,7 +85,7 @@ class LeapQuantGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
             )
         if not current_platform.is_cpu():
             raise LeapQuantError(
-                f"{CONFIG_KEY}: the vLLM layer is tested on vLLM's CPU backend only; its CUDA path is untried "
+                f"{CONFIG_KEY}: the vLLM layer runs on vLLM's CPU backend only, its CUDA path is untried "
                 "(vLLM's CUDA build needs torch 2.14). The kernels and the metadata adapter are tested on an "
                 "H200 (leapquant.integrations.vllm.adapter)"
             )
@@ -164,7 +167,9 @@ class LeapQuantGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
                         query_start_loc=meta.non_spec_query_start_loc[n_dec : n_dec + meta.num_prefills + 1]
                         - t_dec, has_initial_state=meta.has_initial_state[rows])  # fmt: skip
             if use_cpp:
-                y = _causal_conv1d_fwd_cpu(x=x, weight=weight, silu_activation=silu, is_weight_packed=True, **args)
+                y = _causal_conv1d_fwd_cpu(
+                    x=x, weight=weight, silu_activation=silu, is_weight_packed=True, **args
+                )
             else:
                 y = causal_conv1d_fn_cpu(x=x, weight=flat_weight, activation=self.activation, **args)
             parts.append(y.transpose(0, 1))

