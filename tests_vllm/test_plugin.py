@@ -25,7 +25,12 @@ from leapquant.integrations.vllm.check import (
 )
 
 METHOD = "leapquant-int8"
-AGREE = 8  # greedy tokens that must match vLLM's own fp32 state on every prompt
+LOSSLESS = "fp32/w16+rec32"  # the plugin's whole path with an fp32 residual and records: the glue alone
+# A random model's next-token distribution is nearly flat (its top logprobs ~ -5.3 nats, the top two often a
+# bf16 rounding apart), so greedy outputs part wherever two logits tie within rounding, whatever the state.
+# The bar: top-5 logprobs within GAP of vLLM's while the contexts agree, and outputs part only at near-ties.
+GAP = 0.05
+NEAR_TIE = 0.02
 
 
 @pytest.fixture(scope="session")
@@ -60,11 +65,17 @@ def test_state_tensors_are_the_pool_layout(model):
         assert [tuple(s) for s in layer["shapes"][1:]] == list(state_shapes(cfg))
 
 
-def test_greedy_tokens_agree_with_vllm_state(model):
-    result = compare(report(model, None), report(model, METHOD), None)
-    for row in result["requests"]:
-        assert row["agree_prefix"] >= AGREE, result["requests"]
-        assert row["max_logprob_gap"] < 0.1, result["requests"]
+def assert_follows(reference: dict, got: dict) -> None:
+    rows = compare(reference, got, None)["requests"]
+    for row in rows:
+        assert row["max_logprob_gap"] < GAP, rows
+        assert row["divergence_margin"] is None or row["divergence_margin"] < NEAR_TIE, rows
+    assert sum(row["agree_prefix"] for row in rows) >= len(rows) * 24 // 2, rows
+
+
+@pytest.mark.parametrize("method", [LOSSLESS, METHOD])
+def test_greedy_decoding_follows_vllm_state(model, method):
+    assert_follows(report(model, None), report(model, method))
 
 
 def test_other_requests_slots_are_untouched_and_prefix_hits_reproduce(model):
@@ -75,10 +86,9 @@ def test_other_requests_slots_are_untouched_and_prefix_hits_reproduce(model):
         assert got["again"][0]["tokens"] == got["batch"][-1]["tokens"]
 
 
-def test_prefix_caching_on_and_off_decode_the_same(model):
-    on, off = report(model, METHOD), report(model, METHOD, prefix_caching=False)
-    for a, b in zip(on["batch"], off["batch"], strict=True):
-        assert a["tokens"][:AGREE] == b["tokens"][:AGREE]
+def test_prefix_caching_on_and_off_decode_alike(model):
+    # with prefix caching the 600-token prompt is prefilled in two block-aligned chunks (one more hand-off)
+    assert_follows(report(model, METHOD), report(model, METHOD, prefix_caching=False))
 
 
 def test_block_count_grows_as_the_planner_predicts(model):
@@ -93,8 +103,7 @@ def test_tensor_parallel_shards_heads_and_keeps_the_gain(model):
     assert len(tp2["layers"]) == 6  # 3 layers on each of 2 ranks
     assert all([tuple(s) for s in layer["shapes"][1:]] == list(state_shapes(cfg)) for layer in tp2["layers"])
     assert tp2["untouched"]
-    for a, b in zip(tp1["batch"], tp2["batch"], strict=True):
-        assert a["tokens"][:AGREE] == b["tokens"][:AGREE]
+    assert_follows(tp1, tp2)
     result = compare(report(model, None, tp=2), tp2, planner_slot_bytes(model, METHOD, 2))
     assert abs(result["block_gain"] / result["planner_gain"] - 1) < 0.05, result
 
