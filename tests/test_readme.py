@@ -9,7 +9,8 @@ import pytest
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 # the vLLM block needs vLLM and a model: tests_vllm/ starts engines with the same switch (scripts/test.sh)
-BLOCKS = [b for b in re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S) if "from vllm" not in b]
+BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+BLOCKS = [b for b in BLOCKS if "from vllm" not in b]
 
 
 @pytest.mark.parametrize("code", BLOCKS, ids=[f"block{i}" for i in range(len(BLOCKS))])

