@@ -3,8 +3,8 @@ README's test command in a virtual environment of its own (vLLM pins its own tor
 
 Each engine configuration runs once, in a subprocess (``leapquant.integrations.vllm.check``), and the tests
 read its report: greedy tokens and logprobs of four prompts of different lengths decoded together, the state
-tensors as vLLM allocated them, the checksums of every state slot around an unrelated request, a prefix-cache
-hit, and vLLM's KV-cache block count in a fixed 1 GiB of cache memory.
+tensors as vLLM allocated them, checksums of every state slot around an unrelated request, a prefix-cache hit,
+and vLLM's KV-cache block count in a fixed 1 GiB of cache memory.
 """
 
 from __future__ import annotations
@@ -78,11 +78,18 @@ def test_greedy_decoding_follows_vllm_state(model, method):
     assert_follows(report(model, None), report(model, method))
 
 
-def test_other_requests_slots_are_untouched_and_prefix_hits_reproduce(model):
+def touched_slots(got):
+    return [layer["slots_changed_by_unrelated"] for layer in got["layers"]]
+
+
+def test_a_request_writes_only_its_own_slots_and_cached_prefixes_survive(model):
+    # vLLM's own state path writes exactly the blocks vLLM gave the request; the plugin must write no more
+    expected = touched_slots(report(model, None))
+    assert all(n > 0 for n in expected)
     for prefix_caching in (True, False):
         got = report(model, METHOD, prefix_caching=prefix_caching)
-        assert got["untouched"], "an unrelated request changed a slot that held another request's state"
-        assert all(layer["slots_changed_by_unrelated"] > 0 for layer in got["layers"])
+        assert touched_slots(got) == expected
+        # the 600-token prompt again, after other traffic: from its cached prefix state when caching is on
         assert got["again"][0]["tokens"] == got["batch"][-1]["tokens"]
 
 
@@ -95,6 +102,7 @@ def test_block_count_grows_as_the_planner_predicts(model):
     result = compare(report(model, None), report(model, METHOD), planner_slot_bytes(model, METHOD, 1))
     assert result["block_gain"] > 2.0
     assert abs(result["block_gain"] / result["planner_gain"] - 1) < 0.05, result
+    assert abs(result["block_gain"] / result["planner_paged_gain"] - 1) < 0.005, result
 
 
 def test_tensor_parallel_shards_heads_and_keeps_the_gain(model):
@@ -102,10 +110,13 @@ def test_tensor_parallel_shards_heads_and_keeps_the_gain(model):
     cfg = pool_config(METHOD, heads=2, d_k=128, d_v=128, decay="scalar")
     assert len(tp2["layers"]) == 6  # 3 layers on each of 2 ranks
     assert all([tuple(s) for s in layer["shapes"][1:]] == list(state_shapes(cfg)) for layer in tp2["layers"])
-    assert tp2["untouched"]
+    base2 = report(model, None, tp=2)
+    assert touched_slots(tp2) == touched_slots(base2)
     assert_follows(tp1, tp2)
-    result = compare(report(model, None, tp=2), tp2, planner_slot_bytes(model, METHOD, 2))
-    assert abs(result["block_gain"] / result["planner_gain"] - 1) < 0.05, result
+    result = compare(base2, tp2, planner_slot_bytes(model, METHOD, 2))
+    # per rank a page is half as large, so vLLM's padding to whole attention pages weighs more: 2.29x as
+    # counted, 2.50x in padded pages
+    assert abs(result["block_gain"] / result["planner_paged_gain"] - 1) < 0.005, result
 
 
 def test_an_unknown_method_fails_at_engine_start(model):
@@ -114,4 +125,5 @@ def test_an_unknown_method_fails_at_engine_start(model):
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**__import__("os").environ,
                           "VLLM_CPU_KVCACHE_SPACE": "1"}, timeout=600)  # fmt: skip
     assert proc.returncode != 0
-    assert "leapquant_method 'leapqant-int8' has no pool layout" in proc.stderr
+    # vLLM's workers log to stdout: the engine's root cause is there
+    assert "leapquant_method 'leapqant-int8' is not a method" in proc.stdout + proc.stderr

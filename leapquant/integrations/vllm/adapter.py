@@ -46,6 +46,14 @@ PrefillFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 def pool_config(method: str, *, heads: int, d_k: int, d_v: int, decay: str) -> PoolConfig:
     """The pool layout of ``method`` for one layer's ``heads`` local value heads (after tensor-parallel
     sharding). Raises :class:`LeapQuantError` naming the method if it has no pool layout."""
+    from ...methods import parse_method
+
+    try:
+        parse_method(method)
+    except LeapQuantError as err:
+        raise LeapQuantError(
+            f"leapquant_method {method!r} is not a method (`leapquant methods`): {err}"
+        ) from None
     try:
         return PoolConfig.from_method(method, heads=heads, d_k=d_k, d_v=d_v, decay=decay)
     except LeapQuantError as err:

@@ -28,6 +28,7 @@ __all__ = ["PROMPT_LENGTHS", "compare", "engine_report", "make_tiny_qwen3_next",
 PROMPT_LENGTHS = (5, 40, 130, 600)  # 600 > one 512-token block: a prefix-cache hit when asked again
 UNRELATED_LENGTH = 70
 TOP_LOGPROBS = 5
+VLLM_CPU_BLOCK_SIZE = 128  # vLLM's default block size on the CPU, the unit its hybrid pages are padded to
 
 
 def make_tiny_qwen3_next(
@@ -89,7 +90,8 @@ def state_report(model) -> dict:
 def engine_report(model: str, method: str | None, *, max_tokens: int = 24, prefix_caching: bool = True,
                   tp: int = 1, max_model_len: int = 1024) -> dict:  # fmt: skip
     """One engine (call under ``if __name__ == "__main__"``): the prompts at once, an unrelated prompt with
-    the state checksums before and after, then the longest prompt again (a prefix-cache hit)."""
+    per-slot checksums of the state tensors before and after, then the longest prompt again (a prefix-cache
+    hit when caching is on)."""
     from vllm import LLM, SamplingParams
 
     # by its module path, not as __main__.state_report: workers unpickle the function by reference
@@ -121,18 +123,18 @@ def engine_report(model: str, method: str | None, *, max_tokens: int = 24, prefi
         "method": method or "vllm-default", "prefix_caching": prefix_caching, "tp": tp,
         "num_blocks": cache.num_gpu_blocks, "block_size": cache.block_size,
         "prompt_lengths": list(PROMPT_LENGTHS), "batch": batch, "unrelated": unrelated, "again": again,
-        "layers": [], "untouched": True,
+        "layers": [],
     }  # fmt: skip
+    # vLLM shares one cache tensor among a layer of each KV-cache group, so every GDN layer's view sees all
+    # the blocks the unrelated request wrote: its own state slots, the other layers' and its KV pages. The
+    # count is set by vLLM's block allocation, the same whichever state a layer keeps, unless a kernel writes
+    # a slot it was not given.
     for rank_before, rank_after in zip(before, after, strict=True):
         for name, b in rank_before.items():
-            a = rank_after[name]
-            changed = [
-                i for i, (x, y) in enumerate(zip(b["slot_sums"], a["slot_sums"], strict=True)) if x != y
-            ]
-            # a slot the unrelated request changed must have been an empty (all-zero) block before
-            report["untouched"] &= all(b["slot_sums"][i] == 0 for i in changed)
+            sums = zip(b["slot_sums"], rank_after[name]["slot_sums"], strict=True)
+            changed = sum(x != y for x, y in sums)
             report["layers"].append({"name": name, "dtypes": b["dtypes"], "shapes": b["shapes"],
-                                     "slots_changed_by_unrelated": len(changed)})  # fmt: skip
+                                     "slots_changed_by_unrelated": changed})  # fmt: skip
     return report
 
 
@@ -176,18 +178,26 @@ def compare(baseline: dict, method: dict, planner: dict | None) -> dict:
     result = {"requests": rows, "block_gain": method["num_blocks"] / baseline["num_blocks"]}
     if planner:
         result["planner_gain"] = planner["baseline_slot_bytes"] / planner["method_slot_bytes"]
+        result["planner_paged_gain"] = planner["baseline_page_bytes"] / planner["method_page_bytes"]
     return result
 
 
-def planner_slot_bytes(model: str, method: str, tp: int) -> dict:
-    """The planner's bytes of one vLLM state slot (recurrent state + conv state, all GDN layers of a rank)
-    for vLLM's default fp32 state and for ``method``."""
+def planner_slot_bytes(model: str, method: str, tp: int, *, align_tokens: int = VLLM_CPU_BLOCK_SIZE) -> dict:
+    """The planner's bytes of one vLLM state page (recurrent + conv state of one GDN layer on one rank) for
+    vLLM's default fp32 state and for ``method``, as counted (``*_slot_bytes``) and as vLLM pads them
+    (``*_page_bytes``): to whole attention pages of ``align_tokens`` tokens (vLLM's block size before its
+    hybrid adjustment), so that one block holds either a layer's state or its KV of that many tokens."""
     from ...plan import load_shape, plan_memory
 
     shape = load_shape(model)
     plans = {m: plan_memory(shape, m, gpu_memory_gib=80, context=1) for m in ("fp32", method)}
-    slot = {m: (p.state_bytes + p.conv_bytes) // tp for m, p in plans.items()}
-    return {"baseline_slot_bytes": slot["fp32"], "method_slot_bytes": slot[method]}
+    slot = {m: (p.state_bytes + p.conv_bytes) // (shape.linear_layers * tp) for m, p in plans.items()}
+    # vLLM keeps max(1, kv_heads // tp) KV heads per rank; bf16 K and V per token of one attention layer
+    token_bytes = max(1, shape.kv_heads // tp) * shape.head_dim * 2 * 2
+    quantum = token_bytes * align_tokens
+    page = {m: -(-b // quantum) * quantum for m, b in slot.items()}
+    return {"baseline_slot_bytes": slot["fp32"], "method_slot_bytes": slot[method],
+            "baseline_page_bytes": page["fp32"], "method_page_bytes": page[method]}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -229,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
               f"equal, max |logprob gap| {row['max_logprob_gap']:.3g}{parted}")  # fmt: skip
     print(f"state tensors: {method['layers'][0]['dtypes']}")
     print(f"KV-cache blocks in the same memory: {baseline['num_blocks']} -> {method['num_blocks']} "
-          f"({result['block_gain']:.3f}x; planner {result['planner_gain']:.3f}x); "
+          f"({result['block_gain']:.3f}x; planner {result['planner_gain']:.3f}x, "
+          f"{result['planner_paged_gain']:.3f}x in vLLM's padded pages); "
           f"block size {baseline['block_size']} -> {method['block_size']} tokens")  # fmt: skip
     if args.json:
         from ...eval.provenance import provenance
