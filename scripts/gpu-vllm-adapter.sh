@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine: the vLLM adapter tests (tests/test_vllm_adapter.py: vLLM-shaped GDN/KDA metadata over a
-# paged pool, the Triton kernels against the per-request reference and the fp32 recurrence) with the card and
-# versions they ran on. Writes ${OUT:-out}/vllm-adapter-gpu.log.
+# paged pool, the Triton kernels on pages against a contiguous pool and the reference) and the decode-kernel
+# tests at full size, with the card and versions they ran on. Writes ${OUT:-out}/vllm-adapter-gpu.log.
 set -uo pipefail
 out=${OUT:-out}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -9,5 +9,6 @@ export PYTHONUNBUFFERED=1
   date -u +"%Y-%m-%dT%H:%MZ"
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
-  timeout "${TEST_SECONDS:-400}" python3 -m pytest -q -rA tests/test_vllm_adapter.py 2>&1
+  timeout "${TEST_SECONDS:-500}" python3 -m pytest -q -rfE tests/test_vllm_adapter.py tests/test_leapquant_decode.py \
+    tests/test_close_cuda.py 2>&1
 } | tee "$out/vllm-adapter-gpu.log" | tail -25

@@ -123,7 +123,7 @@ def cuda_closes() -> None:
 
 def main() -> None:
     common = dict(rec_g="*fp32", rec_k="*fp16", rec_u="*fp16", pos="*i32", scale_v="*fp32", smooth="*fp32",
-                  comp_k="*fp16", comp_u="*fp16", payload=PAYLOAD[2])  # fmt: skip
+                  comp_k="*fp16", comp_u="*fp16", payload=PAYLOAD[2], slot_shift="*i64")  # fmt: skip
     step_ptrs = dict(common, q="*bf16", k="*bf16", v="*bf16", g="*fp32", beta="*bf16", b_read="*i32",
                      o="*bf16", slots="*i32", close_list="*i32", close_count="*i32",
                      closing="*i8")  # fmt: skip
@@ -131,7 +131,8 @@ def main() -> None:
         consts = dict(H=16, HV=32, K=128, V=128, P=16, R=4, BV=bv, BP=16, BR=4, NATIVE=True,
                       USE_QK_L2NORM=True, BETA_SIGMOID=False, RESIDUAL=3, SMOOTH=True, READ_PRE=False,
                       ADVANCE=True, SUBSET=0, STAGES=2, FAST_CVT=True, VECTOR_DECAY=decay == "vector",
-                      HAS_DT_BIAS=False, GATE_IN_KERNEL=False, A_log=None, dt_bias=None)  # fmt: skip
+                      HAS_DT_BIAS=False, GATE_IN_KERNEL=False, A_log=None, dt_bias=None,
+                      PAGED=False)  # fmt: skip
         ptrs = dict(step_ptrs, payload=PAYLOAD[3])
         print(f"step kernel (CUDA cores), {decay} decay, fp8, BV={bv}, {warps} warps:",
               resources(lq.step_kernel, ptrs, {"qk_scale": "fp32"}, consts, warps))  # fmt: skip
@@ -143,7 +144,7 @@ def main() -> None:
                       BETA_SIGMOID=False, RESIDUAL=code, SMOOTH=True, READ_PRE=False, ADVANCE=True,
                       SUBSET=1,
                       VECTOR_DECAY=decay == "vector", HAS_DT_BIAS=False, GATE_IN_KERNEL=False, A_log=None,
-                      dt_bias=None)  # fmt: skip
+                      dt_bias=None, PAGED=False)  # fmt: skip
         ptrs = dict(step_ptrs, payload=PAYLOAD[code])
         print(f"step kernel (tensor cores), {decay} decay, {'int4' if code == 4 else 'int8'}, r={rank}, "
               f"BV={bv}, {warps} warps:",
@@ -157,8 +158,9 @@ def main() -> None:
               (4, True, 32, 4, 128, False))  # fmt: skip
     for rank, decay, bv, warps, maxnreg, scratch in shapes:
         br = 1 << max(0, rank - 1).bit_length()
-        consts = dict(K=128, V=128, P=16, R=rank, BV=bv, BR=br, BP=16, ITERS=1, RESIDUAL=2, SMOOTH=True,
-                      VECTOR_DECAY=decay, REC16=True, TOKEN_SCRATCH=scratch)  # fmt: skip
+        consts = dict(HV=32, K=128, V=128, P=16, R=rank, BV=bv, BR=br, BP=16, ITERS=1, RESIDUAL=2,
+                      SMOOTH=True, VECTOR_DECAY=decay, REC16=True, TOKEN_SCRATCH=scratch,
+                      PAGED=False)  # fmt: skip
         usage = resources(cc.close_kernel, close_ptrs, scalars, consts, warps, maxnreg)
         kind = "vector" if decay else "scalar"
         print(f"chunked close, r={rank}, {kind} decay, BV={bv}, {warps} warps, maxnreg {maxnreg}, "
@@ -166,7 +168,7 @@ def main() -> None:
     boundary_ptrs = dict(common, slots="*i32", dense="*fp32")
     for mode in (cc.MODE_LOAD, cc.MODE_MATERIALIZE):
         consts = dict(HV=32, K=128, V=128, P=16, R=4, BV=32, BR=4, BP=16, MODE=mode, DENSE_KV=True, ITERS=8,
-                      RESIDUAL=2, SMOOTH=True, VECTOR_DECAY=False, REC16=True)  # fmt: skip
+                      RESIDUAL=2, SMOOTH=True, VECTOR_DECAY=False, REC16=True, PAGED=False)  # fmt: skip
         usage = resources(cc.boundary_kernel, boundary_ptrs, scalars, consts, 4)
         print(f"boundary kernel, {'load' if mode == cc.MODE_LOAD else 'materialize'}, 4 warps: {usage}")
     cuda_closes()

@@ -18,10 +18,10 @@ import torch
 
 from leapquant.integrations.vllm.adapter import pool_config, state_dtypes, state_shapes
 from leapquant.integrations.vllm.check import (
-    _engine_in_subprocess,
     compare,
     make_tiny_qwen3_next,
     planner_slot_bytes,
+    run_engine,
 )
 
 METHOD = "leapquant-int8"
@@ -45,7 +45,7 @@ def report(model, method, *, tp=1, prefix_caching=True):
     key = (method, tp, prefix_caching)
     if key not in _REPORTS:
         args = argparse.Namespace(tp=tp, max_tokens=24, prefix_caching=prefix_caching, kv_cache_gib=1)
-        _REPORTS[key] = _engine_in_subprocess(model, method, args)
+        _REPORTS[key] = run_engine(model, method, args)
     return _REPORTS[key]
 
 

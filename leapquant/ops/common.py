@@ -5,7 +5,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["bf16_grid", "divide_by_reciprocal", "e4m3_grid", "native_token", "rint", "tf32_split"]
+__all__ = [
+    "bf16_grid",
+    "divide_by_reciprocal",
+    "e4m3_grid",
+    "native_token",
+    "page_bases",
+    "rint",
+    "tf32_split",
+]
 
 
 @triton.jit
@@ -99,3 +107,24 @@ def native_token(
     if BETA_SIGMOID:
         b_beta = tl.sigmoid(b_beta)
     return b_q, b_k, b_g, b_beta
+
+
+@triton.jit
+def page_bases(
+    slot, slot_shift, payload, scale_v, smooth, comp_k, comp_u, rec_g, rec_k, rec_u, pos, PAGED: tl.constexpr
+):
+    """The pool pointers for ``slot``: unchanged for a contiguous pool; for a paged one (an engine's cache,
+    every tensor's slot axis strided by its page) moved by ``slot * shift_X``, ``shift_X = stride_X(slot) -
+    per-slot numel`` (``LeapQuantPool.slot_shift``), so the kernels' ``(slot * HV + head) * per-head numel``
+    offsets land in the slot's page."""
+    if PAGED:
+        payload += slot * tl.load(slot_shift + 0)
+        scale_v += slot * tl.load(slot_shift + 1)
+        smooth += slot * tl.load(slot_shift + 2)
+        comp_k += slot * tl.load(slot_shift + 3)
+        comp_u += slot * tl.load(slot_shift + 4)
+        rec_g += slot * tl.load(slot_shift + 5)
+        rec_k += slot * tl.load(slot_shift + 6)
+        rec_u += slot * tl.load(slot_shift + 7)
+        pos += slot * tl.load(slot_shift + 8)
+    return payload, scale_v, smooth, comp_k, comp_u, rec_g, rec_k, rec_u, pos

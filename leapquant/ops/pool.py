@@ -52,6 +52,8 @@ RESIDUAL_FORMATS = {
     "fp32": (torch.float32, False, None),
 }
 DECAYS = ("scalar", "vector")
+# the pool tensors in the order the kernels take them (and their slot shifts, LeapQuantPool.slot_shift)
+SHIFT_ORDER = ("payload", "scale", "smooth", "comp_k", "comp_u", "rec_g", "rec_k", "rec_u", "pos")
 
 
 @dataclass(frozen=True)
@@ -244,19 +246,33 @@ class LeapQuantPool:
     def device(self) -> torch.device:
         return self.tensors["pos"].device
 
-    def is_contiguous(self) -> bool:
-        """Whether every tensor is contiguous, as the kernels index it (a view over an engine's paged cache
-        is strided along slots: :func:`leapquant.integrations.vllm.adapter.pool_view`)."""
-        return all(t.is_contiguous() for t in self.tensors.values())
+    @property
+    def paged(self) -> bool:
+        """Whether the slot axis is strided past the slot's own tensor (a view over an engine's cache pages,
+        :func:`leapquant.integrations.vllm.adapter.pool_view`): the kernels then move each pointer to the
+        slot's page (:meth:`slot_shift`)."""
+        return bool(self._shifts().any())
 
-    def gather(self, slots: torch.Tensor) -> LeapQuantPool:
-        """A contiguous copy of ``slots`` (int64, no padding) as a pool of ``len(slots)`` slots."""
-        return LeapQuantPool(self.config, {name: t[slots] for name, t in self.tensors.items()})
+    def _shifts(self) -> torch.Tensor:
+        if "_slot_shift_cpu" not in self.__dict__:
+            shifts = []
+            for name in SHIFT_ORDER:
+                t = self.tensors.get(name)
+                if t is None:
+                    shifts.append(0)
+                    continue
+                if not t[0].is_contiguous() or t.stride(0) < t[0].numel():
+                    raise LeapQuantError(f"pool: tensor {name} must be contiguous within a slot, slots apart")
+                shifts.append(t.stride(0) - t[0].numel())
+            self.__dict__["_slot_shift_cpu"] = torch.tensor(shifts, dtype=torch.int64)
+        return self.__dict__["_slot_shift_cpu"]
 
-    def scatter(self, slots: torch.Tensor, source: LeapQuantPool) -> None:
-        """Write the slots of ``source`` (a :meth:`gather` of ``slots``) back to ``slots``."""
-        for name, t in self.tensors.items():
-            t[slots] = source.tensors[name]
+    def slot_shift(self) -> torch.Tensor:
+        """Kernel argument: ``[9]`` int64 on the pool's device, per tensor (:data:`SHIFT_ORDER`) the elements
+        between one slot's end and the next one's start, ``stride(0) - per-slot numel`` (0: contiguous)."""
+        if "_slot_shift" not in self.__dict__:
+            self.__dict__["_slot_shift"] = self._shifts().to(self.device)
+        return self.__dict__["_slot_shift"]
 
     def __getattr__(self, name: str) -> torch.Tensor:
         tensors = self.__dict__.get("tensors", {})

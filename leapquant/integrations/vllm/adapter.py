@@ -117,25 +117,6 @@ class LinearAttentionBatch:
     num_spec_decodes: int = 0
 
 
-def _on_slots(pool: LeapQuantPool, slots: torch.Tensor, backend: str, op, *, writes: bool = True):
-    """``op(pool, slots)``; where the kernels run on a strided (paged) pool, ``op`` on a contiguous copy of
-    the slots it names, written back afterwards. The kernels index slots as ``slot * per-slot numel``: the
-    copy costs a gather and a scatter of the touched slots, which kernels taking slot strides would save."""
-    from ...ops.leapquant_decode import runs_kernels
-
-    if pool.is_contiguous() or not runs_kernels(pool, backend):
-        return op(pool, slots)
-    real = slots >= 0
-    rows = slots[real].long()
-    work = pool.gather(rows)
-    local = torch.full_like(slots, -1)
-    local[real] = torch.arange(rows.numel(), dtype=slots.dtype, device=slots.device)
-    result = op(work, local)
-    if writes:
-        pool.scatter(rows, work)
-    return result
-
-
 def run_linear_attention(
     pool: LeapQuantPool,
     batch,
@@ -172,9 +153,9 @@ def run_linear_attention(
         n_dec = t_dec = batch.num_actual_tokens
     if t_dec:
         tokens = [x[:t_dec] for x in (q, k, v, a, b)]
-        out[:t_dec] = _on_slots(pool, idx[:n_dec], backend, lambda p, s: leapquant_decode(
-            p, s, *tokens, A_log=A_log, dt_bias=dt_bias, beta_sigmoid=True, backend=backend,
-        ))  # fmt: skip
+        out[:t_dec] = leapquant_decode(
+            pool, idx[:n_dec], *tokens, A_log=A_log, dt_bias=dt_bias, beta_sigmoid=True, backend=backend
+        )
     if not batch.num_prefills:
         return
     lo, hi = t_dec, t_dec + batch.num_prefill_tokens
@@ -184,11 +165,10 @@ def run_linear_attention(
     initial = torch.zeros(slots.shape[0], cfg.heads, cfg.d_k, cfg.d_v, dtype=torch.float32, device=q.device)
     has_initial = batch.has_initial_state[n_dec : n_dec + batch.num_prefills].to(torch.bool)
     if bool(has_initial.any()):
-        initial[has_initial] = _on_slots(pool, slots[has_initial], backend, lambda p, s: materialize_states(
-            p, s, layout="kv", backend=backend), writes=False)  # fmt: skip
+        initial[has_initial] = materialize_states(pool, slots[has_initial], layout="kv", backend=backend)
     o, final = prefill(q[lo:hi], k[lo:hi], v[lo:hi], a[lo:hi], b[lo:hi], initial, cu)
     out[lo:hi] = o
-    _on_slots(pool, slots, backend, lambda p, s: load_states(p, s, final, layout="kv", backend=backend))
+    load_states(pool, slots, final, layout="kv", backend=backend)
 
 
 def reference_prefill(

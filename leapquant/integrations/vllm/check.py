@@ -23,7 +23,15 @@ import tempfile
 from importlib import metadata
 from pathlib import Path
 
-__all__ = ["PROMPT_LENGTHS", "compare", "engine_report", "make_tiny_qwen3_next", "state_report"]
+__all__ = [
+    "PROMPT_LENGTHS",
+    "compare",
+    "engine_report",
+    "make_tiny_qwen3_next",
+    "planner_slot_bytes",
+    "run_engine",
+    "state_report",
+]
 
 PROMPT_LENGTHS = (5, 40, 130, 600)  # 600 > one 512-token block: a prefix-cache hit when asked again
 UNRELATED_LENGTH = 70
@@ -138,7 +146,9 @@ def engine_report(model: str, method: str | None, *, max_tokens: int = 24, prefi
     return report
 
 
-def _engine_in_subprocess(model: str, method: str | None, args) -> dict:
+def run_engine(model: str, method: str | None, args) -> dict:
+    """:func:`engine_report` in a fresh process (vLLM spawns workers and keeps global state). ``method``
+    None is vLLM's own state; ``args`` has ``tp``, ``max_tokens``, ``prefix_caching`` and ``kv_cache_gib``."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "report.json"
         cmd = [sys.executable, "-m", "leapquant.integrations.vllm.check", "--engine-only", "--model", model,
@@ -228,8 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     model = str(make_tiny_qwen3_next(args.tiny)) if args.tiny else args.model
     if not (Path(model) / "config.json").is_file():
         p.error(f"no config.json in {model}")
-    baseline = _engine_in_subprocess(model, None, args)
-    method = _engine_in_subprocess(model, args.method, args)
+    baseline = run_engine(model, None, args)
+    method = run_engine(model, args.method, args)
     planner = planner_slot_bytes(model, args.method, args.tp)
     result = compare(baseline, method, planner)
     for i, row in enumerate(result["requests"]):

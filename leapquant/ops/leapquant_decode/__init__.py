@@ -28,7 +28,6 @@ __all__ = [
     "leapquant_step_records",
     "load_states",
     "materialize_states",
-    "runs_kernels",
 ]
 
 BACKENDS = ("auto", "triton", "reference")
@@ -137,12 +136,6 @@ class LaunchConfig:
             )
 
 
-def runs_kernels(pool: LeapQuantPool, backend: str = "auto") -> bool:
-    """Whether the ops run the Triton kernels on ``pool`` for ``backend`` (they need contiguous pool tensors,
-    :meth:`LeapQuantPool.is_contiguous`); otherwise they run the torch reference, which takes any strides."""
-    return _use_triton(pool, backend)
-
-
 def _use_triton(pool: LeapQuantPool, backend: str) -> bool:
     if backend not in BACKENDS:
         raise LeapQuantError(f"unknown backend {backend!r}: use {', '.join(BACKENDS)}")
@@ -221,13 +214,14 @@ def _launch_step(
         b_read.contiguous() if b_read is not None else dummy,
         a_log, dt_bias, out, slots,
         t["payload"], t.get("scale", dummy), t.get("smooth", dummy), t.get("comp_k", dummy),
-        t.get("comp_u", dummy), t["rec_g"], t["rec_k"], t["rec_u"], t["pos"], list_, count, closing,
-        qk_scale,
+        t.get("comp_u", dummy), t["rec_g"], t["rec_k"], t["rec_u"], t["pos"], pool.slot_shift(), list_, count,
+        closing, qk_scale,
     )  # fmt: skip
     shape = dict(
         H=q.shape[1] if native else cfg.heads, HV=cfg.heads, K=cfg.d_k, V=cfg.d_v, P=cfg.window,
         R=cfg.compensators, BP=_pow2(cfg.window), NATIVE=native, USE_QK_L2NORM=l2norm, BETA_SIGMOID=sigmoid,
         RESIDUAL=RESIDUAL_CODES[cfg.residual][0], SMOOTH=cfg.smoothing, READ_PRE=pre, ADVANCE=advance,
+        PAGED=pool.paged,
     )  # fmt: skip
     grid = (n * cfg.heads,)
 
@@ -291,10 +285,11 @@ def _close_args(pool: LeapQuantPool) -> tuple[tuple, dict]:
     code, qmax = RESIDUAL_CODES[cfg.residual]
     tensors = (
         t["payload"], t.get("scale", dummy), t.get("smooth", dummy), t.get("comp_k", dummy),
-        t.get("comp_u", dummy), t["rec_g"], t["rec_k"], t["rec_u"], t["pos"], SMOOTHING_FLOOR, qmax,
+        t.get("comp_u", dummy), t["rec_g"], t["rec_k"], t["rec_u"], t["pos"], pool.slot_shift(),
+        SMOOTHING_FLOOR, qmax,
     )  # fmt: skip
-    shape = dict(K=cfg.d_k, V=cfg.d_v, P=cfg.window, R=cfg.compensators, RESIDUAL=code, SMOOTH=cfg.smoothing,
-                 VECTOR_DECAY=cfg.decay == "vector")  # fmt: skip
+    shape = dict(HV=cfg.heads, K=cfg.d_k, V=cfg.d_v, P=cfg.window, R=cfg.compensators, RESIDUAL=code,
+                 SMOOTH=cfg.smoothing, VECTOR_DECAY=cfg.decay == "vector", PAGED=pool.paged)  # fmt: skip
     return tensors, shape
 
 
@@ -313,6 +308,8 @@ def _resolve_close(pool: LeapQuantPool, launch: LaunchConfig) -> str:
         return "triton"
     if pool.device.type != "cuda":
         reason = "the pool is not on a GPU"
+    elif pool.paged:
+        reason = "the pool is paged (an engine's cache): the CUDA close indexes contiguous slots"
     else:
         reason = unsupported(pool.config) or unavailable()
     if launch.close_impl == "cuda" and reason is not None:
@@ -348,7 +345,7 @@ def _launch_boundary(pool: LeapQuantPool, slots: torch.Tensor, dense: torch.Tens
     tensors, shape = _close_args(pool)
     launch = LaunchConfig()
     boundary_kernel[(slots.shape[0] * cfg.heads,)](
-        slots, dense, *tensors, HV=cfg.heads, MODE=mode, DENSE_KV=kv, ITERS=cfg.cold_iters, **shape,
+        slots, dense, *tensors, MODE=mode, DENSE_KV=kv, ITERS=cfg.cold_iters, **shape,
         **_close_shape(pool, launch),
     )  # fmt: skip
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..common import bf16_grid, divide_by_reciprocal, e4m3_grid, rint
+from ..common import bf16_grid, divide_by_reciprocal, e4m3_grid, page_bases, rint
 from .fused_recurrent import _residual_rows
 
 __all__ = ["MODE_LOAD", "MODE_MATERIALIZE", "boundary_kernel", "close_kernel"]
@@ -374,11 +374,11 @@ def _requantize(
 
 @triton.jit(do_not_specialize=["smooth_floor", "qmax"])
 def close_kernel(
-    close_list, close_count, payload, scale_v, smooth, comp_k, comp_u, rec_g, rec_k, rec_u, pos,
+    close_list, close_count, payload, scale_v, smooth, comp_k, comp_u, rec_g, rec_k, rec_u, pos, slot_shift,
     smooth_floor, qmax, token_scratch,
-    K: tl.constexpr, V: tl.constexpr, P: tl.constexpr, R: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr,
-    BP: tl.constexpr, ITERS: tl.constexpr, RESIDUAL: tl.constexpr, SMOOTH: tl.constexpr,
-    VECTOR_DECAY: tl.constexpr, REC16: tl.constexpr, TOKEN_SCRATCH: tl.constexpr,
+    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, P: tl.constexpr, R: tl.constexpr, BV: tl.constexpr,
+    BR: tl.constexpr, BP: tl.constexpr, ITERS: tl.constexpr, RESIDUAL: tl.constexpr, SMOOTH: tl.constexpr,
+    VECTOR_DECAY: tl.constexpr, REC16: tl.constexpr, TOKEN_SCRATCH: tl.constexpr, PAGED: tl.constexpr,
 ):  # fmt: skip
     """Persistent: program ``pid`` closes list entries ``pid, pid + grid, ...`` (heads that just filled their
     window; ``BR``: ``R`` rounded up to a power of two; ``BP``: ``P`` rounded up, at least 16);
@@ -388,24 +388,28 @@ def close_kernel(
     count = tl.load(close_count)
     for idx in range(pid, count, nprog):
         i_s = tl.load(close_list + idx).to(tl.int64)
+        p_payload, p_scale, p_smooth, p_comp_k, p_comp_u, p_rec_g, p_rec_k, p_rec_u, p_pos = page_bases(
+            i_s // HV, slot_shift, payload, scale_v, smooth, comp_k, comp_u, rec_g, rec_k, rec_u, pos, PAGED
+        )
         b_end, b_col, b_w, b_khi, b_klo = _window_factors(
-            i_s, P, smooth, rec_g, rec_k, K, P, BP, SMOOTH, VECTOR_DECAY, REC16
+            i_s, P, p_smooth, p_rec_g, p_rec_k, K, P, BP, SMOOTH, VECTOR_DECAY, REC16
         )
         _requantize(
-            i_s, payload, b_end, b_col, b_w, b_khi, b_klo, P, payload, scale_v, smooth, comp_k, comp_u, rec_u,
-            token_scratch + pid * R * V, smooth_floor, qmax, K, V, P, R, BV, BR, BP, ITERS, RESIDUAL, SMOOTH,
-            False, False, True, VECTOR_DECAY, REC16, TOKEN_SCRATCH,
+            i_s, p_payload, b_end, b_col, b_w, b_khi, b_klo, P, p_payload, p_scale, p_smooth, p_comp_k,
+            p_comp_u, p_rec_u, token_scratch + pid * R * V, smooth_floor, qmax, K, V, P, R, BV, BR, BP, ITERS,
+            RESIDUAL, SMOOTH, False, False, True, VECTOR_DECAY, REC16, TOKEN_SCRATCH,
         )  # fmt: skip
-        tl.store(pos + i_s, 0)
+        tl.store(p_pos + i_s, 0)
         tl.debug_barrier()  # the next head's first loads must not pass this head's last stores
 
 
 @triton.jit(do_not_specialize=["smooth_floor", "qmax"])
 def boundary_kernel(
-    slots, dense, payload, scale_v, smooth, comp_k, comp_u, rec_g, rec_k, rec_u, pos, smooth_floor, qmax,
-    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, P: tl.constexpr, R: tl.constexpr, BV: tl.constexpr,
-    BR: tl.constexpr, BP: tl.constexpr, MODE: tl.constexpr, DENSE_KV: tl.constexpr, ITERS: tl.constexpr,
-    RESIDUAL: tl.constexpr, SMOOTH: tl.constexpr, VECTOR_DECAY: tl.constexpr, REC16: tl.constexpr,
+    slots, dense, payload, scale_v, smooth, comp_k, comp_u, rec_g, rec_k, rec_u, pos, slot_shift,
+    smooth_floor, qmax, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, P: tl.constexpr, R: tl.constexpr,
+    BV: tl.constexpr, BR: tl.constexpr, BP: tl.constexpr, MODE: tl.constexpr, DENSE_KV: tl.constexpr,
+    ITERS: tl.constexpr, RESIDUAL: tl.constexpr, SMOOTH: tl.constexpr, VECTOR_DECAY: tl.constexpr,
+    REC16: tl.constexpr, PAGED: tl.constexpr,
 ):  # fmt: skip
     """One program per (sequence, head): ``MODE_LOAD`` quantizes ``dense`` into the slot with a cold-started
     fit; ``MODE_MATERIALIZE`` writes the slot's dense state at its current position into ``dense``."""
@@ -422,6 +426,9 @@ def boundary_kernel(
                 tl.store(p_dense + o_v[:, None] * K + o_k[None, :], tl.zeros([BV, K], dtype=tl.float32))
         return
     i_s = slot * HV + i_hv
+    payload, scale_v, smooth, comp_k, comp_u, rec_g, rec_k, rec_u, pos = page_bases(
+        slot, slot_shift, payload, scale_v, smooth, comp_k, comp_u, rec_g, rec_k, rec_u, pos, PAGED
+    )
     if MODE == MODE_LOAD:
         b_0 = tl.zeros([K], dtype=tl.float32)  # no factors: rows come from the dense state
         _requantize(

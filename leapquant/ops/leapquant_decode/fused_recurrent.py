@@ -26,7 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..common import native_token, rint, tf32_split
+from ..common import native_token, page_bases, rint, tf32_split
 
 __all__ = ["RESIDUAL_CODES", "SUBSET_ALL", "SUBSET_CLOSING", "SUBSET_OTHERS", "step_kernel", "step_tc_kernel"]
 
@@ -289,6 +289,7 @@ def step_kernel(
     rec_k,
     rec_u,
     pos,
+    slot_shift,
     close_list,
     close_count,
     closing,
@@ -315,6 +316,7 @@ def step_kernel(
     VECTOR_DECAY: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr,
     GATE_IN_KERNEL: tl.constexpr,
+    PAGED: tl.constexpr,
 ):
     i_nh = tl.program_id(0)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -330,6 +332,9 @@ def step_kernel(
                 tl.store(p_o + v0 + o_b, tl.zeros([BV], dtype=tl.float32).to(p_o.dtype.element_ty))
         return
     i_s = slot * HV + i_hv  # (slot, head) index into every pool tensor
+    payload, scale_v, smooth, comp_k, comp_u, rec_g, rec_k, rec_u, pos = page_bases(
+        slot, slot_shift, payload, scale_v, smooth, comp_k, comp_u, rec_g, rec_k, rec_u, pos, PAGED
+    )
     # one of two launches over disjoint heads: the snapshot says whose head this is (nested: a constexpr
     # test must not be and-ed with a tensor one)
     if SUBSET != SUBSET_ALL:  # noqa: SIM102
@@ -439,12 +444,12 @@ def step_kernel(
 @triton.jit(do_not_specialize=["qk_scale"])
 def step_tc_kernel(
     q, k, v, g, beta, b_read, A_log, dt_bias, o, slots, payload, scale_v, smooth, comp_k, comp_u, rec_g,
-    rec_k, rec_u, pos, close_list, close_count, closing, qk_scale,
+    rec_k, rec_u, pos, slot_shift, close_list, close_count, closing, qk_scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, P: tl.constexpr, R: tl.constexpr,
     BV: tl.constexpr, BP: tl.constexpr, NATIVE: tl.constexpr, USE_QK_L2NORM: tl.constexpr,
     BETA_SIGMOID: tl.constexpr, RESIDUAL: tl.constexpr, SMOOTH: tl.constexpr, READ_PRE: tl.constexpr,
     ADVANCE: tl.constexpr, SUBSET: tl.constexpr, STAGES: tl.constexpr, VECTOR_DECAY: tl.constexpr,
-    HAS_DT_BIAS: tl.constexpr, GATE_IN_KERNEL: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr, GATE_IN_KERNEL: tl.constexpr, PAGED: tl.constexpr,
 ):  # fmt: skip
     """The step on tensor cores, one program (one warp) per head walking the value rows in chunks of
     ``BV`` (integer residuals, fp16 records; same inputs, outputs and pool updates as ``step_kernel``).
@@ -475,6 +480,9 @@ def step_tc_kernel(
                 tl.store(p_o + v0 + o_b, tl.zeros([BV], dtype=tl.float32).to(p_o.dtype.element_ty))
         return
     i_s = slot * HV + i_hv
+    payload, scale_v, smooth, comp_k, comp_u, rec_g, rec_k, rec_u, pos = page_bases(
+        slot, slot_shift, payload, scale_v, smooth, comp_k, comp_u, rec_g, rec_k, rec_u, pos, PAGED
+    )
     # one of two launches over disjoint heads: the snapshot says whose head this is (nested: a constexpr
     # test must not be and-ed with a tensor one)
     if SUBSET != SUBSET_ALL:  # noqa: SIM102
