@@ -7,20 +7,17 @@ the reference ops, plus one case through the kernels in the Triton interpreter.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 from leapquant.errors import LeapQuantError
 from leapquant.integrations.vllm.adapter import (
     LinearAttentionBatch,
+    paged_pool,
     pool_config,
     pool_view,
     reference_prefill,
     run_linear_attention,
-    state_dtypes,
-    state_shapes,
 )
 from leapquant.ops.leapquant_decode import leapquant_decode, load_states, materialize_states
 from leapquant.ops.pool import LeapQuantPool
@@ -29,17 +26,11 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CONV_BYTES = 96  # a stand-in for the conv state vLLM keeps first in every page
 
 
-def paged_pool(cfg, slots: int, page_bytes: int, gen: torch.Generator):
+def poisoned_pool(cfg, slots: int, page_bytes: int, gen: torch.Generator):
     """Pool tensors packed per slot into pages of ``page_bytes`` as vLLM's ``MambaBase.bind_kv_cache`` does
     (conv state first), every byte random: poison for any slot the adapter must leave alone."""
-    pages = torch.randint(-128, 128, (slots, page_bytes), dtype=torch.int8, generator=gen).to(DEVICE)
-    offset, tensors = CONV_BYTES, []
-    for shape, dtype in zip(state_shapes(cfg), state_dtypes(cfg), strict=True):
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        tensors.append(pages[:, offset : offset + nbytes].view(dtype).view(-1, *shape))
-        offset += nbytes
-    assert offset <= page_bytes
-    pool = pool_view(cfg, tensors)
+    pages, pool = paged_pool(cfg, slots, lead_bytes=CONV_BYTES, page_bytes=page_bytes, device=DEVICE)
+    pages.copy_(torch.randint(-128, 128, pages.shape, dtype=torch.int8, generator=gen))
     for t in pool.tensors.values():  # finite floats (random bytes may be NaN), positions 0; prefill resets
         if t.is_floating_point():
             t.copy_(torch.randn(t.shape, generator=gen).to(DEVICE, t.dtype))
@@ -79,7 +70,7 @@ def run_scenario(family: str, method: str, backend: str, *, h=1, hv=2, d=32, see
     ``paged=False``: the same start on a contiguous copy of the pool (``pages`` is then that copy's)."""
     gen = torch.Generator().manual_seed(seed)
     cfg = pool_config(method, heads=hv, d_k=d, d_v=d, decay="vector" if family == "kda" else "scalar")
-    pages, pool = paged_pool(cfg, 10, CONV_BYTES + cfg.bytes_per_slot() + 64, gen)
+    pages, pool = poisoned_pool(cfg, 10, CONV_BYTES + cfg.bytes_per_slot() + 64, gen)
     assert pool.paged
     if not paged:
         pool = LeapQuantPool(cfg, {name: t.contiguous() for name, t in pool.tensors.items()})
@@ -230,7 +221,7 @@ def test_kernels_on_pages_match_kernels_on_a_contiguous_pool(family, method):
 def test_pool_view_rejects_a_wrong_layout():
     cfg = pool_config("leapquant-int8", heads=2, d_k=32, d_v=32, decay="scalar")
     gen = torch.Generator().manual_seed(0)
-    _, pool = paged_pool(cfg, 4, CONV_BYTES + cfg.bytes_per_slot(), gen)
+    _, pool = poisoned_pool(cfg, 4, CONV_BYTES + cfg.bytes_per_slot(), gen)
     tensors = list(pool.tensors.values())
     with pytest.raises(LeapQuantError, match="state tensors given"):
         pool_view(cfg, tensors[:-1])

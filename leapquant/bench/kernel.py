@@ -83,11 +83,12 @@ def state_bytes_per_step(variant: str, case: KernelCase) -> float:
 
 
 CLOSE_SUFFIXES = {":triton-close": "triton", ":cuda-close": "cuda"}
+PAGED_SUFFIX = ":paged"  # the pool laid out in vLLM's state pages (adapter.paged_pool), not contiguous
 
 
 def split_variant(variant: str) -> tuple[str, bool]:
-    """``(method, step only)`` of a LeapQuant variant, without its close suffix."""
-    variant = _close_impl(variant)[0]
+    """``(method, step only)`` of a LeapQuant variant, without its close and paged suffixes."""
+    variant = _close_impl(variant.replace(PAGED_SUFFIX, ""))[0]
     if variant.endswith(":step"):
         return variant[: -len(":step")], True
     return variant, False
@@ -217,13 +218,19 @@ def bench_variant(
         from ..ops.pool import LeapQuantPool, PoolConfig
 
         name, step_only = split_variant(variant)
-        impl = _close_impl(variant)[1]
+        impl = _close_impl(variant.replace(PAGED_SUFFIX, ""))[1]
         if impl is not None:
             launch = replace(launch or LaunchConfig(), close_impl=impl)
         decay = "vector" if case.family == "kda" else "scalar"
-        pool = LeapQuantPool.allocate(
-            PoolConfig.from_method(name, case.heads, case.d_k, case.d_v, decay), case.n * rotations, device
-        )
+        cfg = PoolConfig.from_method(name, case.heads, case.d_k, case.d_v, decay)
+        if PAGED_SUFFIX in variant:  # vLLM's layout: conv state first in each page, padding after
+            from ..integrations.vllm.adapter import paged_pool
+
+            conv = 2 * 3 * (2 * case.key_heads * case.d_k + case.heads * case.d_v)  # bf16, kernel width 4
+            page = -(-(conv + cfg.bytes_per_slot()) // 4096) * 4096
+            _, pool = paged_pool(cfg, case.n * rotations, lead_bytes=conv, page_bytes=page, device=device)
+        else:
+            pool = LeapQuantPool.allocate(cfg, case.n * rotations, device)
         _randomize(pool, gen)
 
         def step(i: int) -> None:

@@ -19,6 +19,7 @@ Token tensors are token-major as vLLM's layers hold them: ``q, k [T, H, K]``, ``
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -30,6 +31,7 @@ from ...ops.pool import LeapQuantPool, PoolConfig
 __all__ = [
     "LinearAttentionBatch",
     "PrefillFn",
+    "paged_pool",
     "pool_config",
     "pool_view",
     "run_linear_attention",
@@ -95,6 +97,28 @@ def pool_view(config: PoolConfig, tensors: Sequence[torch.Tensor]) -> LeapQuantP
             raise LeapQuantError(f"pool view: state {name} is not contiguous within a slot")
         view[name] = t
     return LeapQuantPool(config, view)
+
+
+def paged_pool(
+    config: PoolConfig, slots: int, *, lead_bytes: int = 0, page_bytes: int | None = None, device="cpu"
+) -> tuple[torch.Tensor, LeapQuantPool]:
+    """``(pages, pool)``: a pool laid out as vLLM lays out a layer's state (``MambaBase.bind_kv_cache``), for
+    tests and benchmarks. ``pages`` is ``[slots, page_bytes]`` int8, zeros; each page holds ``lead_bytes``
+    (vLLM's conv state) then the pool tensors of one slot in :func:`state_names` order, then padding up to
+    ``page_bytes`` (default: no padding). The pool's slots hold zeros, not a reset state."""
+    need = lead_bytes + config.bytes_per_slot()
+    page_bytes = need if page_bytes is None else page_bytes
+    if page_bytes < need:
+        raise LeapQuantError(f"paged pool: a page of {page_bytes} B cannot hold {need} B")
+    pages = torch.zeros(slots, page_bytes, dtype=torch.int8, device=device)
+    offset, tensors = lead_bytes, []
+    for shape, dtype in zip(state_shapes(config), state_dtypes(config), strict=True):
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if offset % torch.empty((), dtype=dtype).element_size():
+            raise LeapQuantError(f"paged pool: a {dtype} tensor would start at byte {offset}, misaligned")
+        tensors.append(pages[:, offset : offset + nbytes].view(dtype).view(-1, *shape))
+        offset += nbytes
+    return pages, pool_view(config, tensors)
 
 
 @dataclass
