@@ -121,9 +121,14 @@ def cuda_closes() -> None:
         print(f"CUDA close, {family} {residual} p={window} r={rank}: {cuda_close_resources(cfg)}")
 
 
+# the pool's slot shifts (int arguments; unused by these contiguous-pool compiles, PAGED=False)
+SHIFTS = {f"shift_{n}": "i64" for n in ("payload", "scale", "smooth", "comp_k", "comp_u", "rec_g", "rec_k",
+                                          "rec_u", "pos")}  # fmt: skip
+
+
 def main() -> None:
     common = dict(rec_g="*fp32", rec_k="*fp16", rec_u="*fp16", pos="*i32", scale_v="*fp32", smooth="*fp32",
-                  comp_k="*fp16", comp_u="*fp16", payload=PAYLOAD[2], slot_shift="*i64")  # fmt: skip
+                  comp_k="*fp16", comp_u="*fp16", payload=PAYLOAD[2])  # fmt: skip
     step_ptrs = dict(common, q="*bf16", k="*bf16", v="*bf16", g="*fp32", beta="*bf16", b_read="*i32",
                      o="*bf16", slots="*i32", close_list="*i32", close_count="*i32",
                      closing="*i8")  # fmt: skip
@@ -135,7 +140,7 @@ def main() -> None:
                       PAGED=False)  # fmt: skip
         ptrs = dict(step_ptrs, payload=PAYLOAD[3])
         print(f"step kernel (CUDA cores), {decay} decay, fp8, BV={bv}, {warps} warps:",
-              resources(lq.step_kernel, ptrs, {"qk_scale": "fp32"}, consts, warps))  # fmt: skip
+              resources(lq.step_kernel, ptrs, {"qk_scale": "fp32", **SHIFTS}, consts, warps))  # fmt: skip
     tc_shapes = (("scalar", 2, 4, 16, 1), ("vector", 2, 4, 16, 1), ("scalar", 4, 8, 16, 1),
                  ("scalar", 2, 0, 16, 1), ("scalar", 2, 4, 32, 1), ("vector", 2, 4, 32, 2))  # fmt: skip
     for decay, code, rank, bv, warps in tc_shapes:
@@ -148,9 +153,9 @@ def main() -> None:
         ptrs = dict(step_ptrs, payload=PAYLOAD[code])
         print(f"step kernel (tensor cores), {decay} decay, {'int4' if code == 4 else 'int8'}, r={rank}, "
               f"BV={bv}, {warps} warps:",
-              resources(lq.step_tc_kernel, ptrs, {"qk_scale": "fp32"}, consts, warps))  # fmt: skip
+              resources(lq.step_tc_kernel, ptrs, {"qk_scale": "fp32", **SHIFTS}, consts, warps))  # fmt: skip
     close_ptrs = dict(common, close_list="*i32", close_count="*i32", token_scratch="*fp16")
-    scalars = {"smooth_floor": "fp32", "qmax": "fp32"}
+    scalars = {"smooth_floor": "fp32", "qmax": "fp32", **SHIFTS}
     # (tokens, vector decay, rows per chunk, warps, register cap, token-value scratch)
     shapes = ((4, False, 32, 4, None, True), (4, True, 32, 4, None, True), (8, False, 32, 4, None, True),
               (0, False, 32, 4, None, False), (4, False, 16, 4, 128, True), (4, True, 16, 4, 128, True),

@@ -111,20 +111,23 @@ def native_token(
 
 @triton.jit
 def page_bases(
-    slot, slot_shift, payload, scale_v, smooth, comp_k, comp_u, rec_g, rec_k, rec_u, pos, PAGED: tl.constexpr
-):
+    slot, payload, scale_v, smooth, comp_k, comp_u, rec_g, rec_k, rec_u, pos, shift_payload, shift_scale,
+    shift_smooth, shift_comp_k, shift_comp_u, shift_rec_g, shift_rec_k, shift_rec_u, shift_pos,
+    PAGED: tl.constexpr,
+):  # fmt: skip
     """The pool pointers for ``slot``: unchanged for a contiguous pool; for a paged one (an engine's cache,
     every tensor's slot axis strided by its page) moved by ``slot * shift_X``, ``shift_X = stride_X(slot) -
     per-slot numel`` (``LeapQuantPool.slot_shift``), so the kernels' ``(slot * HV + head) * per-head numel``
-    offsets land in the slot's page."""
+    offsets land in the slot's page. The shifts are integer arguments, not loads: Triton specializes them on
+    divisibility by 16, so the moved pointers keep the alignment that vectorized loads need."""
     if PAGED:
-        payload += slot * tl.load(slot_shift + 0)
-        scale_v += slot * tl.load(slot_shift + 1)
-        smooth += slot * tl.load(slot_shift + 2)
-        comp_k += slot * tl.load(slot_shift + 3)
-        comp_u += slot * tl.load(slot_shift + 4)
-        rec_g += slot * tl.load(slot_shift + 5)
-        rec_k += slot * tl.load(slot_shift + 6)
-        rec_u += slot * tl.load(slot_shift + 7)
-        pos += slot * tl.load(slot_shift + 8)
+        payload += slot * shift_payload
+        scale_v += slot * shift_scale
+        smooth += slot * shift_smooth
+        comp_k += slot * shift_comp_k
+        comp_u += slot * shift_comp_u
+        rec_g += slot * shift_rec_g
+        rec_k += slot * shift_rec_k
+        rec_u += slot * shift_rec_u
+        pos += slot * shift_pos
     return payload, scale_v, smooth, comp_k, comp_u, rec_g, rec_k, rec_u, pos

@@ -251,10 +251,12 @@ class LeapQuantPool:
         """Whether the slot axis is strided past the slot's own tensor (a view over an engine's cache pages,
         :func:`leapquant.integrations.vllm.adapter.pool_view`): the kernels then move each pointer to the
         slot's page (:meth:`slot_shift`)."""
-        return bool(self._shifts().any())
+        return any(self.slot_shift())
 
-    def _shifts(self) -> torch.Tensor:
-        if "_slot_shift_cpu" not in self.__dict__:
+    def slot_shift(self) -> tuple[int, ...]:
+        """Kernel arguments: per tensor (:data:`SHIFT_ORDER`) the elements between one slot's end and the next
+        one's start, ``stride(0) - per-slot numel`` (0 everywhere for a contiguous pool)."""
+        if "_slot_shift" not in self.__dict__:
             shifts = []
             for name in SHIFT_ORDER:
                 t = self.tensors.get(name)
@@ -264,14 +266,7 @@ class LeapQuantPool:
                 if not t[0].is_contiguous() or t.stride(0) < t[0].numel():
                     raise LeapQuantError(f"pool: tensor {name} must be contiguous within a slot, slots apart")
                 shifts.append(t.stride(0) - t[0].numel())
-            self.__dict__["_slot_shift_cpu"] = torch.tensor(shifts, dtype=torch.int64)
-        return self.__dict__["_slot_shift_cpu"]
-
-    def slot_shift(self) -> torch.Tensor:
-        """Kernel argument: ``[9]`` int64 on the pool's device, per tensor (:data:`SHIFT_ORDER`) the elements
-        between one slot's end and the next one's start, ``stride(0) - per-slot numel`` (0: contiguous)."""
-        if "_slot_shift" not in self.__dict__:
-            self.__dict__["_slot_shift"] = self._shifts().to(self.device)
+            self.__dict__["_slot_shift"] = tuple(shifts)
         return self.__dict__["_slot_shift"]
 
     def __getattr__(self, name: str) -> torch.Tensor:

@@ -214,8 +214,8 @@ def _launch_step(
         b_read.contiguous() if b_read is not None else dummy,
         a_log, dt_bias, out, slots,
         t["payload"], t.get("scale", dummy), t.get("smooth", dummy), t.get("comp_k", dummy),
-        t.get("comp_u", dummy), t["rec_g"], t["rec_k"], t["rec_u"], t["pos"], pool.slot_shift(), list_, count,
-        closing, qk_scale,
+        t.get("comp_u", dummy), t["rec_g"], t["rec_k"], t["rec_u"], t["pos"], *pool.slot_shift(), list_,
+        count, closing, qk_scale,
     )  # fmt: skip
     shape = dict(
         H=q.shape[1] if native else cfg.heads, HV=cfg.heads, K=cfg.d_k, V=cfg.d_v, P=cfg.window,
@@ -285,7 +285,7 @@ def _close_args(pool: LeapQuantPool) -> tuple[tuple, dict]:
     code, qmax = RESIDUAL_CODES[cfg.residual]
     tensors = (
         t["payload"], t.get("scale", dummy), t.get("smooth", dummy), t.get("comp_k", dummy),
-        t.get("comp_u", dummy), t["rec_g"], t["rec_k"], t["rec_u"], t["pos"], pool.slot_shift(),
+        t.get("comp_u", dummy), t["rec_g"], t["rec_k"], t["rec_u"], t["pos"], *pool.slot_shift(),
         SMOOTHING_FLOOR, qmax,
     )  # fmt: skip
     shape = dict(HV=cfg.heads, K=cfg.d_k, V=cfg.d_v, P=cfg.window, R=cfg.compensators, RESIDUAL=code,

@@ -374,8 +374,9 @@ def _requantize(
 
 @triton.jit(do_not_specialize=["smooth_floor", "qmax"])
 def close_kernel(
-    close_list, close_count, payload, scale_v, smooth, comp_k, comp_u, rec_g, rec_k, rec_u, pos, slot_shift,
-    smooth_floor, qmax, token_scratch,
+    close_list, close_count, payload, scale_v, smooth, comp_k, comp_u, rec_g, rec_k, rec_u, pos,
+    shift_payload, shift_scale, shift_smooth, shift_comp_k, shift_comp_u, shift_rec_g, shift_rec_k,
+    shift_rec_u, shift_pos, smooth_floor, qmax, token_scratch,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, P: tl.constexpr, R: tl.constexpr, BV: tl.constexpr,
     BR: tl.constexpr, BP: tl.constexpr, ITERS: tl.constexpr, RESIDUAL: tl.constexpr, SMOOTH: tl.constexpr,
     VECTOR_DECAY: tl.constexpr, REC16: tl.constexpr, TOKEN_SCRATCH: tl.constexpr, PAGED: tl.constexpr,
@@ -389,8 +390,10 @@ def close_kernel(
     for idx in range(pid, count, nprog):
         i_s = tl.load(close_list + idx).to(tl.int64)
         p_payload, p_scale, p_smooth, p_comp_k, p_comp_u, p_rec_g, p_rec_k, p_rec_u, p_pos = page_bases(
-            i_s // HV, slot_shift, payload, scale_v, smooth, comp_k, comp_u, rec_g, rec_k, rec_u, pos, PAGED
-        )
+            i_s // HV, payload, scale_v, smooth, comp_k, comp_u, rec_g, rec_k, rec_u, pos, shift_payload,
+            shift_scale, shift_smooth, shift_comp_k, shift_comp_u, shift_rec_g, shift_rec_k, shift_rec_u,
+            shift_pos, PAGED,
+        )  # fmt: skip
         b_end, b_col, b_w, b_khi, b_klo = _window_factors(
             i_s, P, p_smooth, p_rec_g, p_rec_k, K, P, BP, SMOOTH, VECTOR_DECAY, REC16
         )
@@ -405,7 +408,8 @@ def close_kernel(
 
 @triton.jit(do_not_specialize=["smooth_floor", "qmax"])
 def boundary_kernel(
-    slots, dense, payload, scale_v, smooth, comp_k, comp_u, rec_g, rec_k, rec_u, pos, slot_shift,
+    slots, dense, payload, scale_v, smooth, comp_k, comp_u, rec_g, rec_k, rec_u, pos, shift_payload,
+    shift_scale, shift_smooth, shift_comp_k, shift_comp_u, shift_rec_g, shift_rec_k, shift_rec_u, shift_pos,
     smooth_floor, qmax, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, P: tl.constexpr, R: tl.constexpr,
     BV: tl.constexpr, BR: tl.constexpr, BP: tl.constexpr, MODE: tl.constexpr, DENSE_KV: tl.constexpr,
     ITERS: tl.constexpr, RESIDUAL: tl.constexpr, SMOOTH: tl.constexpr, VECTOR_DECAY: tl.constexpr,
@@ -427,8 +431,9 @@ def boundary_kernel(
         return
     i_s = slot * HV + i_hv
     payload, scale_v, smooth, comp_k, comp_u, rec_g, rec_k, rec_u, pos = page_bases(
-        slot, slot_shift, payload, scale_v, smooth, comp_k, comp_u, rec_g, rec_k, rec_u, pos, PAGED
-    )
+        slot, payload, scale_v, smooth, comp_k, comp_u, rec_g, rec_k, rec_u, pos, shift_payload, shift_scale,
+        shift_smooth, shift_comp_k, shift_comp_u, shift_rec_g, shift_rec_k, shift_rec_u, shift_pos, PAGED,
+    )  # fmt: skip
     if MODE == MODE_LOAD:
         b_0 = tl.zeros([K], dtype=tl.float32)  # no factors: rows come from the dense state
         _requantize(

@@ -289,7 +289,15 @@ def step_kernel(
     rec_k,
     rec_u,
     pos,
-    slot_shift,
+    shift_payload,
+    shift_scale,
+    shift_smooth,
+    shift_comp_k,
+    shift_comp_u,
+    shift_rec_g,
+    shift_rec_k,
+    shift_rec_u,
+    shift_pos,
     close_list,
     close_count,
     closing,
@@ -333,8 +341,9 @@ def step_kernel(
         return
     i_s = slot * HV + i_hv  # (slot, head) index into every pool tensor
     payload, scale_v, smooth, comp_k, comp_u, rec_g, rec_k, rec_u, pos = page_bases(
-        slot, slot_shift, payload, scale_v, smooth, comp_k, comp_u, rec_g, rec_k, rec_u, pos, PAGED
-    )
+        slot, payload, scale_v, smooth, comp_k, comp_u, rec_g, rec_k, rec_u, pos, shift_payload, shift_scale,
+        shift_smooth, shift_comp_k, shift_comp_u, shift_rec_g, shift_rec_k, shift_rec_u, shift_pos, PAGED,
+    )  # fmt: skip
     # one of two launches over disjoint heads: the snapshot says whose head this is (nested: a constexpr
     # test must not be and-ed with a tensor one)
     if SUBSET != SUBSET_ALL:  # noqa: SIM102
@@ -444,7 +453,8 @@ def step_kernel(
 @triton.jit(do_not_specialize=["qk_scale"])
 def step_tc_kernel(
     q, k, v, g, beta, b_read, A_log, dt_bias, o, slots, payload, scale_v, smooth, comp_k, comp_u, rec_g,
-    rec_k, rec_u, pos, slot_shift, close_list, close_count, closing, qk_scale,
+    rec_k, rec_u, pos, shift_payload, shift_scale, shift_smooth, shift_comp_k, shift_comp_u, shift_rec_g,
+    shift_rec_k, shift_rec_u, shift_pos, close_list, close_count, closing, qk_scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, P: tl.constexpr, R: tl.constexpr,
     BV: tl.constexpr, BP: tl.constexpr, NATIVE: tl.constexpr, USE_QK_L2NORM: tl.constexpr,
     BETA_SIGMOID: tl.constexpr, RESIDUAL: tl.constexpr, SMOOTH: tl.constexpr, READ_PRE: tl.constexpr,
@@ -481,8 +491,9 @@ def step_tc_kernel(
         return
     i_s = slot * HV + i_hv
     payload, scale_v, smooth, comp_k, comp_u, rec_g, rec_k, rec_u, pos = page_bases(
-        slot, slot_shift, payload, scale_v, smooth, comp_k, comp_u, rec_g, rec_k, rec_u, pos, PAGED
-    )
+        slot, payload, scale_v, smooth, comp_k, comp_u, rec_g, rec_k, rec_u, pos, shift_payload, shift_scale,
+        shift_smooth, shift_comp_k, shift_comp_u, shift_rec_g, shift_rec_k, shift_rec_u, shift_pos, PAGED,
+    )  # fmt: skip
     # one of two launches over disjoint heads: the snapshot says whose head this is (nested: a constexpr
     # test must not be and-ed with a tensor one)
     if SUBSET != SUBSET_ALL:  # noqa: SIM102
