@@ -189,8 +189,6 @@ class LeapQuantGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
 
     def leapquant_core(self, meta, mixed_qkv, b, a, core_attn_out) -> None:
         """Conv, then decode and prefill through the pool (:func:`run_linear_attention`)."""
-        if meta.num_spec_decodes:
-            raise LeapQuantError(f"{CONFIG_KEY}: speculative decoding is not supported")
         t = meta.num_decode_tokens + meta.num_prefill_tokens
         x = self._conv(meta, mixed_qkv[:t].contiguous())
         query, key, value = self.rearrange_mixed_qkv(x)

@@ -22,13 +22,7 @@ from ...errors import LeapQuantError
 from ..pool import LeapQuantPool
 from . import naive
 
-__all__ = [
-    "LaunchConfig",
-    "leapquant_decode",
-    "leapquant_step_records",
-    "load_states",
-    "materialize_states",
-]
+__all__ = ["LaunchConfig", "leapquant_decode", "leapquant_step_records", "load_states", "materialize_states"]
 
 BACKENDS = ("auto", "triton", "reference")
 CLOSE_IMPLS = ("auto", "cuda", "triton")
