@@ -8,7 +8,8 @@ import os
 import pytest
 import torch
 
-from leapquant.bench.decode import DecodeModel, build_weights, make_backend, model_spec
+from leapquant.bench.decode import DecodeModel, build_weights, model_spec
+from leapquant.bench.state_backends import make_backend
 from leapquant.cli.main import main
 
 BACKENDS = ("fp32", "bf16", "int8-per-step", "leapquant-int8")

@@ -32,15 +32,14 @@ MoE) and ``"lm_head"`` (final norm and LM head).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
 from ..errors import LeapQuantError
 
-__all__ = ["MODELS", "DecodeModel", "ModelSpec", "StateBackend", "build_weights", "check_backend",
-           "kv_cache_bytes", "kv_shapes", "make_backend", "model_spec"]  # fmt: skip
+__all__ = ["MODELS", "DecodeModel", "ModelSpec", "build_weights", "kv_cache_bytes", "kv_shapes", "model_spec"]
 
 
 @dataclass(frozen=True)
@@ -229,163 +228,6 @@ def build_weights(spec: ModelSpec, device, seed: int = 0) -> dict:
     return w
 
 
-# ----------------------------------------------------------------------------------------------- state
-
-
-@dataclass
-class StateBackend:
-    """The states of every linear-attention layer for ``batch`` sequences, and the kernel that steps them.
-
-    ``name``: ``fp32`` (FLA's ``fused_recurrent_*`` on an fp32 ``[B, HV, K, V]`` state; the torch
-    reference where FLA or CUDA is missing), ``bf16`` / ``<fmt>-per-step`` (our per-step kernels,
-    ``fmt`` in fp32/bf16/int8) or a LeapQuant method (``leapquant-int8``, ``int8/w16``, ...).
-    ``impl`` says what ran.  Calling ``backend(layer, q, k, v, g, beta)`` with ``q, k [B, H, K]``,
-    ``v [B, HV, V]``, ``g [B, HV]`` (GDN) or ``[B, HV, K]`` (KDA) log decays and ``beta [B, HV]`` returns
-    ``o [B, HV, V]`` in ``v``'s dtype and updates the layer's state in place (FLA's public op writes a new
-    fp32 final state instead, which is dropped: the same bytes as an in-place update, no copy back).
-    """
-
-    name: str
-    impl: str
-    family: str
-    states: list = field(default_factory=list)
-    slots: torch.Tensor | None = None
-    kernel_backend: str = "auto"
-
-    def __call__(self, layer: int, q, k, v, g, beta) -> torch.Tensor:
-        st = self.states[layer]
-        if self.impl == "fla":
-            kw = dict(initial_state=st, output_final_state=True, use_qk_l2norm_in_kernel=True)
-            q, k, v, g, beta = q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None]
-            if self.family == "gdn":
-                from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fn
-            else:
-                from fla.ops.kda import fused_recurrent_kda as fn
-            return fn(q, k, v, g=g, beta=beta, **kw)[0][:, 0]  # g and beta by keyword (FLA's order differs)
-        if self.impl == "reference-fp32":
-            return _fp32_reference(st, q, k, v, g, beta)
-        if self.impl.startswith("per-step"):
-            from ..ops.per_step_decode import per_step_decode
-
-            return per_step_decode(st, self.slots, q, k, v, g, beta, backend=self.kernel_backend)
-        from ..ops.leapquant_decode import leapquant_decode
-
-        return leapquant_decode(st, self.slots, q, k, v, g, beta, validate=False, backend=self.kernel_backend)
-
-    def load(self, states: list[torch.Tensor]) -> None:
-        """Set every layer's state from full-precision ``[B, HV, K, V]`` tensors (window position 0)."""
-        for st, s in zip(self.states, states):
-            if self.impl in ("fla", "reference-fp32"):
-                st.copy_(s)
-            elif self.impl.startswith("per-step"):
-                st.load(self.slots, s)
-            else:
-                from ..ops.leapquant_decode import load_states
-
-                load_states(st, self.slots, s, backend=self.kernel_backend)
-
-    def nbytes(self) -> int:
-        """Bytes held by the states of all layers."""
-        tensors = []
-        for st in self.states:
-            if isinstance(st, torch.Tensor):
-                tensors.append(st)
-            else:  # a LeapQuant pool (tensors) or a per-step pool (state, scale)
-                tensors += list(getattr(st, "tensors", {}).values()) or [st.state, st.scale]
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
-
-def _fp32_reference(state, q, k, v, g, beta) -> torch.Tensor:
-    """FLA semantics on an fp32 ``[B, HV, K, V]`` state, in place: decay, delta read, write, read out."""
-    from ..recurrences import l2norm
-
-    hv, d_k = v.shape[1], q.shape[-1]
-    q = l2norm(q.float()).repeat_interleave(hv // q.shape[1], dim=1) * d_k**-0.5
-    k = l2norm(k.float()).repeat_interleave(hv // k.shape[1], dim=1)
-    decay = g.float().exp()
-    state.mul_(decay[..., None] if g.ndim == 3 else decay[..., None, None])
-    u = beta.float()[..., None] * (v.float() - torch.einsum("bhkv,bhk->bhv", state, k))
-    state.add_(k[..., :, None] * u[..., None, :])
-    return torch.einsum("bhkv,bhk->bhv", state, q).to(v.dtype)
-
-
-def _fla_available() -> bool:
-    try:
-        import fla.ops.gated_delta_rule
-        import fla.ops.kda  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def check_backend(name: str) -> None:
-    """Raise :class:`LeapQuantError` unless ``name`` is a state backend :func:`make_backend` can build."""
-    if name in ("fp32", "bf16"):
-        return
-    if name.endswith("-per-step"):
-        if name[: -len("-per-step")] not in ("fp32", "bf16", "int8"):
-            raise LeapQuantError(
-                f"bench decode: unknown backend {name!r} (per-step: fp32/bf16/int8-per-step)"
-            )
-        return
-    from ..ops.pool import PoolConfig
-
-    try:
-        PoolConfig.from_method(name, 1)
-    except LeapQuantError as exc:
-        raise LeapQuantError(
-            f"bench decode: unknown backend {name!r} (use fp32, bf16, <fmt>-per-step or a method: {exc})"
-        ) from None
-
-
-def make_backend(
-    name: str, spec: ModelSpec, batch: int, device, *, seed: int = 0, kernel_backend: str = "auto"
-) -> StateBackend:
-    """Allocate the states of ``spec``'s linear layers for ``batch`` sequences, filled with plausible content.
-
-    LeapQuant pools get random payloads and window positions spread uniformly over ``0..P-1`` (as
-    ``bench kernel`` does), so ``1/P`` of the heads close a window at every step, as under continuous
-    batching; the other states get random values.
-    """
-    device = torch.device(device)
-    gen = torch.Generator(device=device).manual_seed(seed + 7)
-    n_lin = spec.layer_types.count("linear")
-    hv, kd = spec.lin_value_heads, spec.lin_head_dim
-    slots = torch.arange(batch, dtype=torch.int32, device=device)
-    if name == "fp32":
-        if device.type != "cuda" or kernel_backend == "reference":
-            impl = "reference-fp32"
-        elif _fla_available():
-            impl = "fla"
-        else:  # a GPU without FLA: our per-step fp32 kernel (same state bytes), labelled as such
-            name, impl = "fp32-per-step", None
-        if impl is not None:
-            states = [torch.randn(batch, hv, kd, kd, generator=gen, device=device) for _ in range(n_lin)]
-            return StateBackend("fp32", impl, spec.family, states, slots, kernel_backend)
-    if name == "bf16":
-        name = "bf16-per-step"
-    if name.endswith("-per-step"):
-        from ..ops.per_step_decode import PerStepPool
-
-        fmt = name[: -len("-per-step")]
-        states = []
-        for _ in range(n_lin):
-            pool = PerStepPool.allocate(fmt, batch, hv, kd, kd, device)
-            pool.state.copy_(torch.randn(pool.state.shape, generator=gen, device=device).to(pool.state.dtype))
-            states.append(pool)
-        return StateBackend(name, f"per-step-{fmt}", spec.family, states, slots, kernel_backend)
-    from ..ops.pool import LeapQuantPool, PoolConfig
-    from .kernel import _randomize
-
-    cfg = PoolConfig.from_method(name, hv, kd, kd, "vector" if spec.family == "kda" else "scalar")
-    states = []
-    for _ in range(n_lin):
-        pool = LeapQuantPool.allocate(cfg, batch, device)
-        _randomize(pool, gen)
-        states.append(pool)
-    return StateBackend(name, "leapquant", spec.family, states, slots, kernel_backend)
-
-
 # ----------------------------------------------------------------------------------------------- model
 
 
@@ -419,7 +261,7 @@ class DecodeModel:
         self.spec, self.w, self.batch, self.context = spec, weights, batch, context
         self.device = torch.device(device)
         self.moe, self.skip = moe, set()
-        self.backend: StateBackend | None = None
+        self.backend = None  # a bench.state_backends.StateBackend
         self.record_state_inputs: list | None = None  # set to [] to record each state call's inputs
         pairs = batch * max(spec.top_k, 1)
         cap = moe_capacity or min(pairs, 16 * math.ceil(2 * pairs / max(spec.experts, 1) / 16))

@@ -28,15 +28,8 @@ from pathlib import Path
 import torch
 
 from ..errors import LeapQuantError
-from .decode import (
-    MODELS,
-    DecodeModel,
-    build_weights,
-    check_backend,
-    kv_cache_bytes,
-    make_backend,
-    model_spec,
-)
+from .decode import MODELS, DecodeModel, build_weights, kv_cache_bytes, model_spec
+from .state_backends import check_backend, make_backend
 
 __all__ = ["decode_markdown", "plot_decode", "roofline", "run_decode"]
 
