@@ -132,6 +132,57 @@ def test_preset_layer_layout_and_state_shape():
     assert load_shape("Qwen/Qwen3-Next-80B-A3B-Instruct") is PRESETS["qwen3-next-80b-a3b"]
 
 
+def test_one_name_per_preset_aliases_and_did_you_mean(capsys):
+    from leapquant.plan import resolve_preset
+    from leapquant.plan.presets import ALIASES
+
+    assert {resolve_preset(a) for a in ALIASES} == {"qwen3.5-9b", "kimi-linear-48b-a3b"}
+    assert load_shape("qwen35-9b") is load_shape("Qwen/Qwen3.5-9B") is PRESETS["qwen3.5-9b"]
+    assert resolve_preset("moonshotai/Kimi-Linear-48B-A3B-Instruct") == "kimi-linear-48b-a3b"
+    with pytest.raises(LeapQuantError, match=r"did you mean 'qwen3-next-80b-a3b'\?"):
+        resolve_preset("qwen3-next-80b")
+    with pytest.raises(LeapQuantError, match=r"did you mean 'kimi-linear-48b-a3b'\?"):
+        load_shape("kimi-linear-48")
+    assert main(["memory", "--model", "kimi-linear-48b", "--gpu-memory", "141", "--context", "64"]) == 0
+    assert "Kimi-Linear-48B-A3B" in capsys.readouterr().out
+
+
+def test_preset_patterns_and_decode_fields():
+    qwen, kimi = PRESETS["qwen3.5-9b"], PRESETS["kimi-linear-48b-a3b"]
+    assert qwen.full_layer_ids == tuple(range(3, 32, 4)) and qwen.full_attention_interval == 4
+    assert kimi.full_layer_ids == (3, 7, 11, 15, 19, 23, 26) and kimi.full_attention_interval == 4
+    assert kimi.layer_types.count("full") == 7 and kimi.layer_types[-1] == "full"
+    assert (qwen.rotary_dim, qwen.rms_norm_eps, qwen.routed_scaling_factor, qwen.gate_rank) == (
+        64,
+        1e-6,
+        1.0,
+        0,
+    )
+    assert (kimi.rms_norm_eps, kimi.routed_scaling_factor, kimi.gate_rank) == (1e-5, 2.446, 128)
+    small = kimi.reduced(3, 1)
+    assert small.full_layer_ids == () and small.layer_types == () and small.full_attention_interval == 0
+
+
+@pytest.mark.parametrize(
+    "arch, name", [("qwen35", "qwen35-gdn-hybrid-byte"), ("kimi", "kimi-kda-hybrid-byte")]
+)
+def test_byte_hybrid_configs_are_the_shipped_checkpoints(arch, name):
+    """plan's byte-hybrid shapes (which scripts/train_checkpoints.py trains) are those of checkpoints/: the
+    saved config.json parses to the same shape (Kimi's all-dense ``mlp_layer_types`` included) and the same
+    parameter count as the shipped weights."""
+    from dataclasses import replace
+
+    from leapquant.plan.presets import byte_hybrid_config
+
+    shipped = load_shape(str(ROOT / "checkpoints" / name))
+    ours = shape_from_config(byte_hybrid_config(arch))
+    assert replace(ours, name="", source="") == replace(shipped, name="", source="")
+    stats = json.loads((ROOT / "checkpoints" / name / "decay_stats.json").read_text())
+    assert shipped.params == stats["params"] and shipped.dense_layers == shipped.layers
+    tiny = shape_from_config(byte_hybrid_config(arch, tiny=True))
+    assert tiny.layers == 4 and tiny.full_layer_ids == (3,)
+
+
 @pytest.mark.parametrize("model_type", sorted(TINY))
 def test_config_json_parsing_every_model_type(tmp_path, model_type):
     shape = load_shape(str(write_config(tmp_path, TINY[model_type])))  # a directory holding config.json

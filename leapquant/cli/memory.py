@@ -13,6 +13,8 @@ GIB = 2**30
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
+    from ..plan.presets import ALIASES, PRESETS
+
     p = sub.add_parser(
         "memory",
         help="capacity planner: state, conv, KV and checkpoint bytes per request, requests that fit",
@@ -25,8 +27,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "--model",
         required=True,
         metavar="CONFIG_OR_PATH",
-        help="preset (qwen3.5-9b, qwen3.5-35b-a3b, qwen3-next-80b-a3b, kimi-linear-48b-a3b) or a "
-        "transformers config.json / a directory holding one",
+        help=f"preset ({', '.join(PRESETS)}; also {', '.join(ALIASES)}) or a transformers config.json / a "
+        "directory holding one",
     )
     p.add_argument("--gpu-memory", type=float, required=True, metavar="GiB", help="GPU memory in GiB")
     p.add_argument("--context", type=int, required=True, metavar="N", help="tokens per request")

@@ -2,10 +2,10 @@
 
 A :class:`HybridShape` is everything the memory planner needs to know about a hybrid model: how many
 linear-attention (GDN / KDA) and full-attention (GQA / MLA) layers it has, the head counts and dims of
-each, its convolution, and the shapes of its weights.  It comes from a built-in preset
-(:data:`leapquant.plan.presets.PRESETS`) or from a transformers ``config.json`` (:func:`shape_from_config`,
-model types ``qwen3_5``, ``qwen3_5_text``, ``qwen3_5_moe``, ``qwen3_5_moe_text``, ``qwen3_next``,
-``kimi_linear``); :func:`load_shape` takes either.
+each, its convolution, its layer pattern, and the shapes of its weights.  It comes from a transformers
+``config.json`` (:func:`shape_from_config`, model types ``qwen3_5``, ``qwen3_5_text``, ``qwen3_5_moe``,
+``qwen3_5_moe_text``, ``qwen3_next``, ``kimi_linear``); the built-in presets and the name lookup
+(``load_shape``) live in :mod:`leapquant.plan.presets`, which imports this module and never the reverse.
 
 Weights are enumerated tensor by tensor (:meth:`HybridShape.weight_tensors`) in transformers' layout
 (fused MoE experts ``[E, 2I, H]`` / ``[E, H, I]``), so the parameter count is the sum of real shapes, and
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from ..errors import LeapQuantError
 
-__all__ = ["MODEL_TYPES", "HybridShape", "load_shape", "shape_from_config"]
+__all__ = ["MODEL_TYPES", "HybridShape", "periodic_layer_types", "read_config", "shape_from_config"]
 
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next", "kimi_linear")
 
@@ -44,10 +44,15 @@ class HybridShape:
         attention: ``"gqa"`` or ``"mla"`` for the full-attention layers.
         attn_heads: query heads; kv_heads, head_dim: GQA key/value heads and head dim;
             attn_gate: Qwen's output gate (``q_proj`` is twice as wide).
+        rotary_dim: GQA rotary dims of each head (``partial_rotary_factor * head_dim``).
         kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim: MLA dims (the cache holds
             ``kv_lora_rank + qk_rope_head_dim`` values per token and layer).
         intermediate: dense-MLP width; dense_layers: layers with a dense MLP (the rest are MoE).
-        experts, moe_intermediate, shared_intermediate, top_k: MoE shape (``experts == 0``: dense model).
+        experts, moe_intermediate, shared_intermediate, top_k: MoE shape (``experts == 0``: dense model);
+            routed_scaling_factor: the factor on the renormalised routed-expert weights.
+        rms_norm_eps: the epsilon of every RMSNorm.
+        full_layer_ids: 0-based indices of the full-attention layers (``()``: the pattern is not known,
+            as in a :meth:`reduced` shape).
         vision_params: parameters of the vision tower engines load with the model (0: text only).
         mtp_params: parameters of the multi-token-prediction head (not loaded by default).
         source: where the numbers come from.
@@ -70,6 +75,7 @@ class HybridShape:
     kv_heads: int = 2
     head_dim: int = 256
     attn_gate: bool = True
+    rotary_dim: int = 0
     kv_lora_rank: int = 0
     qk_rope_head_dim: int = 0
     qk_nope_head_dim: int = 0
@@ -80,6 +86,9 @@ class HybridShape:
     moe_intermediate: int = 0
     shared_intermediate: int = 0
     top_k: int = 0
+    routed_scaling_factor: float = 1.0
+    rms_norm_eps: float = 1e-6
+    full_layer_ids: tuple[int, ...] = ()
     tie_embeddings: bool = False
     vision_params: int = 0
     mtp_params: int = 0
@@ -112,11 +121,40 @@ class HybridShape:
             raise LeapQuantError(f"model {self.name}: a model without experts has only dense MLP layers")
         if self.heads_v % self.heads_k:
             raise LeapQuantError(f"model {self.name}: heads_v ({self.heads_v}) must be a multiple of heads_k")
+        ids = self.full_layer_ids
+        if ids and (len(ids) != self.full_layers or list(ids) != sorted(set(ids)) or ids[-1] >= self.layers):
+            raise LeapQuantError(
+                f"model {self.name}: full_layer_ids {ids} are not {self.full_layers} distinct layer indices "
+                f"in 0..{self.layers - 1}"
+            )
 
     @property
     def layers(self) -> int:
         """Decoder layers of both kinds."""
         return self.linear_layers + self.full_layers
+
+    @property
+    def layer_types(self) -> tuple[str, ...]:
+        """``"linear"`` / ``"full"`` per layer (``()`` when :attr:`full_layer_ids` is not known)."""
+        if not self.full_layer_ids and self.full_layers:
+            return ()
+        return tuple("full" if i in self.full_layer_ids else "linear" for i in range(self.layers))
+
+    @property
+    def full_attention_interval(self) -> int:
+        """``p`` when every ``p``-th layer (1-based) is full attention, allowing one extra full-attention last
+        layer (Kimi-Linear); 0 when the pattern has no such period or is not known."""
+        ids = self.full_layer_ids
+        if not ids:
+            return 0
+        p = ids[0] + 1
+        regular = set(range(p - 1, self.layers, p))
+        return p if set(ids) in (regular, regular | {self.layers - 1}) else 0
+
+    @property
+    def gate_rank(self) -> int:
+        """KDA's low-rank forget/output gate projections (rank ``d_k``); 0 for GDN."""
+        return self.d_k if self.decay == "vector" else 0
 
     @property
     def conv_dim(self) -> int:
@@ -145,6 +183,7 @@ class HybridShape:
             linear_layers=linear_layers,
             full_layers=full_layers,
             dense_layers=dense,
+            full_layer_ids=(),
             vision_params=0,
             mtp_params=0,
         )
@@ -172,14 +211,14 @@ class HybridShape:
         return out
 
     def _linear_attn(self) -> list[tuple[str, tuple[int, ...]]]:
-        h, hv, dk, dv = self.hidden, self.heads_v, self.d_k, self.d_v
+        h, hv, dv, r = self.hidden, self.heads_v, self.d_v, self.gate_rank
         conv = [("conv1d", (self.conv_dim, 1, self.conv_kernel))]
         if self.model_type == "kimi_linear":  # KDA: HK == HV, per-key-channel forget gate, low-rank gates
             qkv = hv * dv
             return [
                 ("q_proj", (qkv, h)), ("k_proj", (qkv, h)), ("v_proj", (qkv, h)), *conv,
-                ("f_a_proj", (dk, h)), ("f_b_proj", (qkv, dk)), ("dt_bias", (qkv,)), ("A_log", (hv,)),
-                ("b_proj", (hv, h)), ("g_a_proj", (dk, h)), ("g_b_proj", (qkv, dk)), ("o_norm", (dv,)),
+                ("f_a_proj", (r, h)), ("f_b_proj", (qkv, r)), ("dt_bias", (qkv,)), ("A_log", (hv,)),
+                ("b_proj", (hv, h)), ("g_a_proj", (r, h)), ("g_b_proj", (qkv, r)), ("o_norm", (dv,)),
                 ("o_proj", (h, qkv)),
             ]  # fmt: skip
         # GDN (Qwen3.5 in_proj_qkv/z/b/a; Qwen3-Next fuses them as in_proj_qkvz/ba: same count)
@@ -277,12 +316,15 @@ def shape_from_config(config: dict, name: str = "config.json", source: str = "")
     return replace(shape, **extra)
 
 
+def periodic_layer_types(layers: int, interval: int = 4) -> list[str]:
+    """transformers ``layer_types`` where every ``interval``-th layer (1-based) is full attention (Qwen's
+    ``full_attention_interval``; 3 linear : 1 full at the default 4)."""
+    return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
+
+
 def _qwen(cfg: dict, model_type: str, name: str, source: str) -> HybridShape:
     n = cfg["num_hidden_layers"]
-    types = cfg.get("layer_types") or [
-        "full_attention" if (i + 1) % cfg.get("full_attention_interval", 4) == 0 else "linear_attention"
-        for i in range(n)
-    ]
+    types = cfg.get("layer_types") or periodic_layer_types(n, cfg.get("full_attention_interval", 4))
     _check_types(types, n, name)
     full = sum(t == "full_attention" for t in types)
     experts = cfg.get("num_experts", 0) if "moe" in model_type or model_type == "qwen3_next" else 0
@@ -294,6 +336,10 @@ def _qwen(cfg: dict, model_type: str, name: str, source: str) -> HybridShape:
             raise LeapQuantError(f"{name}: dense MLP layers must come first (mlp_only_layers / sparse step)")
     else:
         dense = n
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    rotary = cfg.get("partial_rotary_factor") or (cfg.get("rope_parameters") or {}).get(
+        "partial_rotary_factor"
+    )
     return HybridShape(
         name=cfg.get("_name_or_path") or name,
         model_type=model_type,
@@ -310,14 +356,17 @@ def _qwen(cfg: dict, model_type: str, name: str, source: str) -> HybridShape:
         attention="gqa",
         attn_heads=cfg["num_attention_heads"],
         kv_heads=cfg["num_key_value_heads"],
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
+        head_dim=head_dim,
         attn_gate=cfg.get("attn_output_gate", True),
+        rotary_dim=int(head_dim * (rotary or 0.25)),  # 0.25: transformers' default for every Qwen type here
         intermediate=cfg.get("intermediate_size", 0) if dense else 0,
         dense_layers=dense,
         experts=experts,
         moe_intermediate=cfg.get("moe_intermediate_size", 0) if experts else 0,
         shared_intermediate=cfg.get("shared_expert_intermediate_size", 0) if experts else 0,
         top_k=cfg.get("num_experts_per_tok", 0) if experts else 0,
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        full_layer_ids=tuple(i for i, t in enumerate(types) if t == "full_attention"),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         source=source,
     )
@@ -339,6 +388,12 @@ def _kimi(cfg: dict, name: str, source: str) -> HybridShape:
     dim = lin.get("head_dim", cfg.get("linear_head_dim", 128))
     experts = cfg.get("num_experts", cfg.get("num_local_experts", 0)) or 0
     dense = min(n, cfg.get("first_k_dense_replace", 1)) if experts else n
+    mlp_types = cfg.get("mlp_layer_types")  # transformers' KimiLinearConfig spells the MLP pattern out
+    if experts and mlp_types:
+        dense = sum(t == "dense" for t in mlp_types)
+        if len(mlp_types) != n or any(t == "dense" for t in mlp_types[dense:]):
+            raise LeapQuantError(f"{name}: mlp_layer_types must list {n} layers, the dense ones first")
+        experts = experts if dense < n else 0  # every MLP dense: the MoE fields are unused
     n_heads = cfg["num_attention_heads"]
     if cfg.get("q_lora_rank"):
         raise LeapQuantError(f"{name}: MLA with q_lora_rank is not modelled (Kimi-Linear has none)")
@@ -368,6 +423,11 @@ def _kimi(cfg: dict, name: str, source: str) -> HybridShape:
         moe_intermediate=cfg.get("moe_intermediate_size", 0) if experts else 0,
         shared_intermediate=cfg.get("moe_intermediate_size", 0) * shared if experts else 0,
         top_k=cfg.get("num_experts_per_token", cfg.get("num_experts_per_tok", 0)) if experts else 0,
+        routed_scaling_factor=cfg.get("routed_scaling_factor", 2.446)
+        if experts
+        else 1.0,  # transformers' default
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+        full_layer_ids=tuple(i for i, t in enumerate(types) if t == "full_attention"),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         source=source,
     )
@@ -385,24 +445,12 @@ def _check_types(types: list, n: int, name: str) -> None:
         raise LeapQuantError(f"{name}: no linear_attention layer, nothing for the recurrent-state planner")
 
 
-def load_shape(model: str) -> HybridShape:
-    """A preset by name (case-insensitive; Hugging Face ids work too) or a config.json / directory path."""
-    key = model.strip().lower().rsplit("/", 1)[-1].removesuffix("-instruct")
-    from .presets import PRESETS
-
-    if key in PRESETS:
-        return PRESETS[key]
-    path = Path(model).expanduser()
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.is_file():
-        raise LeapQuantError(
-            f"model {model!r}: not a preset ({', '.join(PRESETS)}) and no config.json at {path}"
-        )
+def read_config(path: Path) -> dict:
+    """A ``config.json`` file as a dict (the caller checks that it exists)."""
     try:
         config = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise LeapQuantError(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(config, dict):
         raise LeapQuantError(f"{path}: expected a JSON object")
-    return shape_from_config(config, name=str(path), source=str(path))
+    return config

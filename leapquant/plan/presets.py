@@ -1,7 +1,8 @@
-"""Built-in model presets: the published ``config.json`` fields each planner number depends on.
+"""Built-in model presets, and the one place a model name is looked up (:func:`resolve_preset`,
+:func:`load_shape`), so that ``leapquant memory``, the decode-bench model and the vLLM check share names.
 
-Each preset is the subset of the model's Hugging Face ``config.json`` that shapes its weights and caches,
-parsed by the same :func:`~leapquant.plan.models.shape_from_config` as a user's file.  The Hugging Face
+Each preset is the subset of a model's published ``config.json`` that shapes its weights, caches and decode
+step, parsed by :func:`~leapquant.plan.models.shape_from_config` like a user's file.  The Hugging Face
 files themselves could not be fetched here (no network); the values were read from public copies and
 cross-checked against at least two independent sources each, listed per preset.  The transformers class
 defaults named below are in ``transformers/models/<type>/configuration_<type>.py`` (transformers 5.17).
@@ -13,9 +14,14 @@ the other three are known only by their names (35 B, 80 B, 48 B total parameters
 
 from __future__ import annotations
 
-from .models import HybridShape, shape_from_config
+import difflib
+from dataclasses import replace
+from pathlib import Path
 
-__all__ = ["PRESETS"]
+from ..errors import LeapQuantError
+from .models import HybridShape, periodic_layer_types, read_config, shape_from_config
+
+__all__ = ["ALIASES", "BYTE_VOCAB", "PRESETS", "byte_hybrid_config", "load_shape", "resolve_preset"]
 
 _QWEN_VISION = {  # Qwen3.5 vision tower (same for 9B and 35B-A3B, except out_hidden_size = text hidden)
     "depth": 27,
@@ -37,6 +43,8 @@ _QWEN_GDN = {
     "linear_num_value_heads": 32,
     "head_dim": 256,
     "attn_output_gate": True,
+    "partial_rotary_factor": 0.25,
+    "rms_norm_eps": 1e-6,
     "tie_word_embeddings": False,
 }
 
@@ -55,6 +63,14 @@ QWEN35_9B = {
     },
     "vision_config": {**_QWEN_VISION, "out_hidden_size": 4096},
 }
+QWEN35_9B_SOURCE = (
+    "Qwen/Qwen3.5-9B config.json text_config (hidden_size 4096, 32 layers, full_attention_interval 4, "
+    "linear_num_key_heads 16, linear_num_value_heads 32, linear_key/value_head_dim 128, "
+    "linear_conv_kernel_dim 4, num_attention_heads 16, num_key_value_heads 4, head_dim 256, "
+    "attn_output_gate true, partial_rotary_factor 0.25, intermediate_size 12288, vocab_size 248320, "
+    "untied LM head), as quoted in public test fixtures; equal to transformers 5.17 Qwen3_5TextConfig "
+    "defaults ('Qwen3.5-9B style configuration')"
+)
 """Qwen/Qwen3.5-9B.  Sources: a test fixture that copies the real config.json (text and vision config,
 "run against the real Qwen3.5-9B config", with the checkpoint's 19,306,216,416-byte safetensors total);
 transformers' ``Qwen3_5TextConfig`` defaults, documented as "the Qwen3.5-9B style configuration", are
@@ -127,6 +143,11 @@ KIMI_LINEAR_48B_A3B = {
     "num_shared_experts": 1,
     "moe_intermediate_size": 1024,
     "first_k_dense_replace": 1,
+    "moe_router_activation_func": "sigmoid",
+    "moe_renormalize": True,
+    "routed_scaling_factor": 2.446,
+    "mla_use_nope": True,
+    "rms_norm_eps": 1e-5,
     "tie_word_embeddings": False,
     "num_nextn_predict_layers": 0,
     "linear_attn_config": {
@@ -137,6 +158,15 @@ KIMI_LINEAR_48B_A3B = {
         "short_conv_kernel_size": 4,
     },
 }
+KIMI_LINEAR_48B_A3B_SOURCE = (
+    "moonshotai/Kimi-Linear-48B-A3B-Instruct config.json (hidden_size 2304, 27 layers, linear_attn_config "
+    "full_attn_layers [4,8,12,16,20,24,27] (1-based), KDA num_heads 32 head_dim 128 short_conv 4; MLA "
+    "32 heads, kv_lora_rank 512, q_lora_rank null, qk_nope 128, qk_rope 64, v_head_dim 128, mla_use_nope; "
+    "num_experts 256, num_experts_per_token 8, num_shared_experts 1, moe_intermediate_size 1024, sigmoid "
+    "router, moe_renormalize, routed_scaling_factor 2.446, first_k_dense_replace 1, intermediate_size 9216, "
+    "vocab_size 163840, untied), as quoted in public test fixtures (Megatron-Bridge, mlx); transformers "
+    "5.17 KimiLinearConfig defaults and modeling_kimi_linear for the layer structure"
+)
 """moonshotai/Kimi-Linear-48B-A3B-Instruct.  Sources: three independent quotations of its config.json
 (an engine test, a model-config resolver test and a KDA kernel note, all with the same values: 27 layers,
 MLA at 1-based layers 4, 8, ..., 24, 27 (7 MLA + 20 KDA), 32 KDA heads of 128, kernel 4, MLA 32 heads with
@@ -146,21 +176,104 @@ its default layer pattern (6 MLA layers at 0-based multiples of 4), so the check
 
 
 def _preset(config: dict, name: str, source: str) -> HybridShape:
-    from dataclasses import replace
-
     return replace(shape_from_config(config, name=name), name=name, source=source)
 
 
 PRESETS: dict[str, HybridShape] = {
-    "qwen3.5-9b": _preset(QWEN35_9B, "Qwen3.5-9B", "preset: Qwen/Qwen3.5-9B config.json"),
+    "qwen3.5-9b": _preset(QWEN35_9B, "Qwen3.5-9B", QWEN35_9B_SOURCE),
     "qwen3.5-35b-a3b": _preset(QWEN35_35B_A3B, "Qwen3.5-35B-A3B", "preset: Qwen/Qwen3.5-35B-A3B config.json"),
     "qwen3-next-80b-a3b": _preset(
         QWEN3_NEXT_80B_A3B, "Qwen3-Next-80B-A3B", "preset: Qwen/Qwen3-Next-80B-A3B-Instruct config.json"
     ),
-    "kimi-linear-48b-a3b": _preset(
-        KIMI_LINEAR_48B_A3B,
-        "Kimi-Linear-48B-A3B",
-        "preset: moonshotai/Kimi-Linear-48B-A3B-Instruct config.json",
-    ),
+    "kimi-linear-48b-a3b": _preset(KIMI_LINEAR_48B_A3B, "Kimi-Linear-48B-A3B", KIMI_LINEAR_48B_A3B_SOURCE),
 }
-"""Presets by lower-case name (``leapquant memory --model qwen3.5-9b``; ``Qwen/Qwen3.5-9B`` works too)."""
+"""Presets by canonical lower-case name (``leapquant memory --model qwen3.5-9b``; ``Qwen/Qwen3.5-9B`` works
+too, and so do the :data:`ALIASES`)."""
+
+ALIASES = {"qwen35-9b": "qwen3.5-9b", "kimi-linear-48b": "kimi-linear-48b-a3b"}
+"""Older spellings (``leapquant bench decode`` used these) and the canonical preset each one names."""
+
+
+def _key(name: str) -> str:
+    """Lower case, without a Hugging Face organisation or an ``-Instruct`` suffix, aliases resolved."""
+    key = name.strip().lower().rsplit("/", 1)[-1].removesuffix("-instruct")
+    return ALIASES.get(key, key)
+
+
+def _did_you_mean(name: str) -> str:
+    close = difflib.get_close_matches(_key(name), [*PRESETS, *ALIASES], n=1, cutoff=0.6)
+    return f"; did you mean {ALIASES.get(close[0], close[0])!r}?" if close else ""
+
+
+def resolve_preset(name: str) -> str:
+    """The canonical preset name for ``name`` (case-insensitive; Hugging Face ids and aliases work)."""
+    key = _key(name)
+    if key not in PRESETS:
+        raise LeapQuantError(f"unknown model {name!r}{_did_you_mean(name)} (presets: {', '.join(PRESETS)})")
+    return key
+
+
+def load_shape(model: str) -> HybridShape:
+    """A preset by name (as :func:`resolve_preset`) or a config.json / a directory holding one."""
+    if _key(model) in PRESETS:
+        return PRESETS[_key(model)]
+    path = Path(model).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise LeapQuantError(
+            f"model {model!r}: not a preset ({', '.join(PRESETS)}) and no config.json at {path}"
+            + _did_you_mean(model)
+        )
+    return shape_from_config(read_config(path), name=str(path), source=str(path))
+
+
+BYTE_VOCAB = 256 + 3
+"""Vocabulary of the byte-level checkpoints: ids 0-2 special (pad, end of file, unknown), byte b is b + 3."""
+
+
+def byte_hybrid_config(arch: str, tiny: bool = False) -> dict:
+    """The shape fields of the small byte-level hybrids under ``checkpoints/`` (``config.json`` keys).
+
+    ``scripts/train_checkpoints.py`` trains them (``arch`` ``"qwen35"``: Gated DeltaNet + gated attention,
+    ``"kimi"``: KDA + MLA, dense MLPs); ``tiny`` is its CPU smoke size.  Both keep 3 linear : 1 full layers
+    and real-size linear heads (head dim 128).  Kimi's MoE fields are unused (every MLP is dense).
+    """
+    layers, hidden, hd = (4, 64, 32) if tiny else (8, 256, 128)
+    common = {"vocab_size": BYTE_VOCAB, "hidden_size": hidden, "num_hidden_layers": layers}
+    common["layer_types"] = periodic_layer_types(layers, 4)
+    if arch == "qwen35":
+        return {
+            "model_type": "qwen3_5_text",
+            **common,
+            "intermediate_size": 2 * hidden,
+            "num_attention_heads": 2,
+            "head_dim": hd,
+            "num_key_value_heads": 1,
+            "linear_num_key_heads": 1 if tiny else 2,
+            "linear_num_value_heads": 2 if tiny else 4,
+            "linear_key_head_dim": hd,
+            "linear_value_head_dim": hd,
+            "tie_word_embeddings": True,
+        }
+    if arch != "kimi":
+        raise LeapQuantError(f"byte hybrid: arch must be 'qwen35' or 'kimi', got {arch!r}")
+    return {
+        "model_type": "kimi_linear",
+        **common,
+        "intermediate_size": 3 * hidden // 2,
+        "mlp_layer_types": ["dense"] * layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "qk_nope_head_dim": hd // 4,
+        "qk_rope_head_dim": hd // 4,
+        "v_head_dim": hd // 2,
+        "kv_lora_rank": hd,
+        "q_lora_rank": None,
+        "linear_num_heads": 2 if tiny else 4,
+        "linear_head_dim": hd,
+        "tie_word_embeddings": False,  # KimiLinearForCausalLM declares no tied weights
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": hidden // 2,
+    }
