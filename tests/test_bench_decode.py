@@ -13,7 +13,7 @@ from leapquant.bench.state_backends import make_backend
 from leapquant.cli.main import main
 
 BACKENDS = ("fp32", "bf16", "int8-per-step", "leapquant-int8")
-MODELS = ("qwen35-9b", "kimi-linear-48b")
+MODELS = ("qwen3.5-9b", "kimi-linear-48b-a3b")
 B, CTX = 3, 8
 
 
@@ -39,7 +39,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_specs_have_the_real_dimensions_and_pattern():
-    qwen, kimi = model_spec("qwen35-9b"), model_spec("kimi-linear-48b")
+    qwen, kimi = model_spec("qwen3.5-9b"), model_spec("kimi-linear-48b-a3b")
     assert qwen.layer_types == ("linear", "linear", "linear", "full") * 2 and qwen.mlp_types == ("dense",) * 8
     assert (qwen.hidden, qwen.lin_key_heads, qwen.lin_value_heads, qwen.lin_head_dim) == (4096, 16, 32, 128)
     assert (qwen.attn_heads, qwen.attn_kv_heads, qwen.attn_head_dim, qwen.vocab) == (16, 4, 256, 248320)
@@ -59,6 +59,27 @@ def test_specs_have_the_real_dimensions_and_pattern():
     routed = sum(lw[k].numel() for lw in kw["layers"] for k in lw if k.startswith("experts_"))
     assert _count(kw) == pytest.approx(48.5e9, rel=0.03)
     assert 2.8e9 < _count(kw) - routed + routed * 8 / 256 < 3.6e9
+
+
+def test_specs_come_from_the_plan_presets_under_one_name():
+    """The bench builds the plan's presets: canonical names, the old bench spellings as aliases, one spec."""
+    from leapquant.bench.decode import MODELS as BENCH_MODELS
+    from leapquant.errors import LeapQuantError
+    from leapquant.plan import PRESETS
+
+    assert BENCH_MODELS == MODELS and set(MODELS) <= set(PRESETS)
+    for alias, name in (("qwen35-9b", "qwen3.5-9b"), ("kimi-linear-48b", "kimi-linear-48b-a3b")):
+        assert model_spec(alias, 8, tiny=True) == model_spec(name, 8, tiny=True)
+        assert model_spec(alias).name == name and model_spec(alias, tiny=True).name == name + "-tiny"
+    qwen, kimi = PRESETS["qwen3.5-9b"], model_spec("kimi-linear-48b-a3b", 27)
+    assert model_spec("qwen3.5-9b", 32).rope_dim == qwen.rotary_dim == 64 and qwen.rms_norm_eps == 1e-6
+    assert (kimi.routed_scale, kimi.eps, kimi.gate_rank, kimi.real_layers) == (2.446, 1e-5, 128, 27)
+    assert kimi.real_pattern == "20 KDA + 7 MLA (every 4th and the last)"
+    assert model_spec("qwen3.5-9b").real_pattern == "24 GDN + 8 full (every 4th)"
+    with pytest.raises(LeapQuantError, match=r"did you mean 'qwen3\.5-9b'"):
+        model_spec("qwen3.5-9")
+    with pytest.raises(LeapQuantError, match="not a hybrid the step models"):
+        model_spec("qwen3.5-35b-a3b")
 
 
 def _count(weights: dict) -> int:
@@ -113,7 +134,7 @@ def test_quantized_states_agree_with_fp32_from_the_same_state(name):
 
 def test_logits_of_leapquant_and_fp32_agree_on_the_dense_model():
     """Whole-step logits (Qwen3.5-shaped, dense: no routing flips) from the same state."""
-    spec, weights = _tiny("qwen35-9b")
+    spec, weights = _tiny("qwen3.5-9b")
     states = _states(spec)
 
     def logits(backend: str, loaded) -> torch.Tensor:
@@ -134,7 +155,7 @@ def test_triton_kernels_in_the_step_match_the_reference(backend):
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
         pytest.skip("needs TRITON_INTERPRET=1 on the CPU")
-    spec, weights = _tiny("qwen35-9b")
+    spec, weights = _tiny("qwen3.5-9b")
     states = [s[:2] for s in _states(spec)]
     model = DecodeModel(spec, weights, 2, CTX, "cpu", seed=1)
     model.skip, model.record_state_inputs = {"state"}, []
@@ -150,7 +171,7 @@ def test_triton_kernels_in_the_step_match_the_reference(backend):
 
 
 def test_grouped_and_padded_moe_agree():
-    spec, weights = _tiny("kimi-linear-48b")
+    spec, weights = _tiny("kimi-linear-48b-a3b")
     out = {}
     for moe in ("grouped", "padded"):
         model = DecodeModel(spec, weights, B, CTX, "cpu", seed=1, moe=moe, moe_capacity=B * spec.top_k)
@@ -180,7 +201,7 @@ def test_cli_writes_json_markdown_and_plot(tmp_path, capsys):
     assert report["rows"][0]["speedup_vs_fp32"] == 1.0 and report["rows"][0]["impl"] == "reference-fp32"
     cfg = report["configs"][0]
     assert {"no_state", "lm_head_ms", "attention_ms", "mlp_ms", "kv_cache_bytes"} <= cfg.keys()
-    assert report["models"]["kimi-linear-48b-tiny"]["mlp_types"][0] == "dense"
+    assert report["models"]["kimi-linear-48b-a3b-tiny"]["mlp_types"][0] == "dense"
     assert "| context | batch |" in (tmp_path / "d.md").read_text()
     assert (tmp_path / "d.png").stat().st_size > 1000
 
@@ -224,7 +245,7 @@ def test_roofline_and_the_where_the_time_goes_table(tmp_path):
         row["roofline"] = {"ideal_ms": 1.0, "state": {"ideal_ms": 0.1}}
         row["profile"] = {"by_class_ms": {"gemm": 0.5}, "gaps_ms": 0.1}
     text = decode_markdown(report)
-    assert "Where the time goes" in text and text.count("| qwen35-9b-tiny | 8 | 2 |") == 2
+    assert "Where the time goes" in text and text.count("| qwen3.5-9b-tiny | 8 | 2 |") == 2
 
 
 def test_kernel_breakdown_reports_each_launch_of_a_step(monkeypatch):

@@ -2,7 +2,8 @@
 
 One :class:`DecodeModel` step decodes one token for each of ``B`` sequences through an ``L``-layer hybrid with
 the real layer dimensions and layer pattern of Qwen3.5-9B (Gated DeltaNet + gated GQA attention, dense MLP)
-or Kimi-Linear-48B-A3B (KDA + MLA, MoE with a shared expert), random bf16 weights, in plain torch so that
+or Kimi-Linear-48B-A3B (KDA + MLA, MoE with a shared expert), taken from the :mod:`leapquant.plan` presets
+(:func:`model_spec`, :data:`MODELS`), random bf16 weights, in plain torch so that
 the whole step can be captured in one CUDA graph.  The state of the linear-attention layers lives in a
 :class:`StateBackend` (the thing compared): FLA's fp32 kernels, our per-step bf16/int8 kernels or a
 LeapQuant pool.  Per step:
@@ -38,13 +39,16 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import LeapQuantError
+from ..plan.models import HybridShape, periodic_layer_types
+from ..plan.presets import PRESETS, resolve_preset
 
 __all__ = ["MODELS", "DecodeModel", "ModelSpec", "build_weights", "kv_cache_bytes", "kv_shapes", "model_spec"]
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Dimensions of one hybrid model; ``layer_types``/``mlp_types`` give the pattern of the built layers."""
+    """The bench's view of a :class:`~leapquant.plan.models.HybridShape`: the dims one decode step needs and
+    the pattern of the built layers (``layer_types``/``mlp_types``); :func:`model_spec` derives it."""
 
     name: str
     hidden: int
@@ -91,64 +95,94 @@ class ModelSpec:
         return out
 
 
-QWEN_SOURCE = (
-    "Qwen/Qwen3.5-9B config.json text_config (hidden_size 4096, 32 layers, full_attention_interval 4, "
-    "linear_num_key_heads 16, linear_num_value_heads 32, linear_key/value_head_dim 128, "
-    "linear_conv_kernel_dim 4, num_attention_heads 16, num_key_value_heads 4, head_dim 256, "
-    "attn_output_gate true, partial_rotary_factor 0.25, intermediate_size 12288, vocab_size 248320, "
-    "untied LM head), as quoted in public test fixtures; equal to transformers 5.17 Qwen3_5TextConfig "
-    "defaults ('Qwen3.5-9B style configuration')"
-)
-KIMI_SOURCE = (
-    "moonshotai/Kimi-Linear-48B-A3B-Instruct config.json (hidden_size 2304, 27 layers, linear_attn_config "
-    "full_attn_layers [4,8,12,16,20,24,27] (1-based), KDA num_heads 32 head_dim 128 short_conv 4; MLA "
-    "32 heads, kv_lora_rank 512, q_lora_rank null, qk_nope 128, qk_rope 64, v_head_dim 128, mla_use_nope; "
-    "num_experts 256, num_experts_per_token 8, num_shared_experts 1, moe_intermediate_size 1024, sigmoid "
-    "router, moe_renormalize, routed_scaling_factor 2.446, first_k_dense_replace 1, intermediate_size 9216, "
-    "vocab_size 163840, untied), as quoted in public test fixtures (Megatron-Bridge, mlx); transformers "
-    "5.17 KimiLinearConfig defaults and modeling_kimi_linear for the layer structure"
-)
+_TINY = {  # --tiny: every width shrunk, the structure kept (CPU tests)
+    "common": dict(hidden=64, vocab=128, lin_head_dim=32, attn_heads=4, intermediate=96),
+    "gdn": dict(lin_key_heads=2, lin_value_heads=4, attn_kv_heads=2, attn_head_dim=32, rope_dim=8),
+    "kda": dict(lin_key_heads=4, lin_value_heads=4, kv_lora_rank=32, qk_nope_dim=16, qk_rope_dim=16,
+                v_head_dim=16, experts=8, top_k=2, moe_intermediate=32, gate_rank=32),
+}  # fmt: skip
 
 
-def _pattern(layers: int, every: int = 4) -> tuple[str, ...]:
-    """Every ``every``-th layer (1-based) is full attention: 3 linear : 1 full for both models."""
-    return tuple("full" if (i + 1) % every == 0 else "linear" for i in range(layers))
+def _buildable(shape: HybridShape) -> bool:
+    """The two hybrids the step models: GDN + gated GQA with dense MLPs (Qwen3.5 dense), or KDA + MLA with a
+    sigmoid-routed MoE and shared expert (Kimi-Linear); both need K = V and a periodic layer pattern."""
+    kind = (shape.decay, shape.attention, bool(shape.experts), shape.model_type == "kimi_linear")
+    return (
+        kind in (("scalar", "gqa", False, False), ("vector", "mla", True, True))
+        and shape.d_k == shape.d_v
+        and shape.full_attention_interval > 0
+        and (shape.attention == "mla" or shape.attn_gate)
+    )
+
+
+MODELS = tuple(name for name, shape in PRESETS.items() if _buildable(shape))
+"""The canonical names (:data:`leapquant.plan.presets.PRESETS`) of the presets the step can build."""
+
+
+def _real_pattern(shape: HybridShape) -> str:
+    """``"24 GDN + 8 full (every 4th)"``: the full-depth model's layers, described."""
+    every = shape.full_attention_interval
+    lin, full = ("KDA", "MLA") if shape.attention == "mla" else ("GDN", "full")
+    last = " and the last" if shape.layers - 1 in shape.full_layer_ids and shape.layers % every else ""
+    return f"{shape.linear_layers} {lin} + {shape.full_layers} {full} (every {every}th{last})"
 
 
 def model_spec(name: str, layers: int = 8, tiny: bool = False) -> ModelSpec:
-    """The ``layers``-layer version of a model (real pattern); ``tiny`` shrinks every width for CPU tests."""
+    """The ``layers``-layer version of a preset (any name :func:`~leapquant.plan.presets.resolve_preset`
+    takes); ``tiny`` shrinks every width for CPU tests.
+
+    The layers repeat the real model's period (every 4th is full attention; Kimi-Linear's extra full-attention
+    last layer is not repeated); MoE models keep their leading dense layers."""
     if layers < 1:
         raise LeapQuantError(f"bench decode: layers must be >= 1, got {layers}")
-    types = _pattern(layers)
-    if name == "qwen35-9b":
-        spec = ModelSpec(
-            name=name, hidden=4096, vocab=248320, layer_types=types, mlp_types=("dense",) * layers,
-            family="gdn", lin_key_heads=16, lin_value_heads=32, lin_head_dim=128, conv_kernel=4,
-            attn="gqa", attn_heads=16, attn_kv_heads=4, attn_head_dim=256, rope_dim=64, intermediate=12288,
-            eps=1e-6, real_layers=32, real_pattern="24 GDN + 8 full (every 4th)", source=QWEN_SOURCE,
-        )  # fmt: skip
-        tiny_dims = dict(lin_key_heads=2, lin_value_heads=4, attn_kv_heads=2, attn_head_dim=32, rope_dim=8)
-    elif name == "kimi-linear-48b":
-        spec = ModelSpec(
-            name=name, hidden=2304, vocab=163840, layer_types=types,
-            mlp_types=tuple("dense" if i == 0 else "moe" for i in range(layers)), family="kda",
-            lin_key_heads=32, lin_value_heads=32, lin_head_dim=128, conv_kernel=4, attn="mla", attn_heads=32,
-            kv_lora_rank=512, qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128, intermediate=9216,
-            experts=256, top_k=8, moe_intermediate=1024, shared_experts=1, routed_scale=2.446, gate_rank=128,
-            eps=1e-5, real_layers=27, real_pattern="20 KDA + 7 MLA (every 4th and the last)",
-            source=KIMI_SOURCE,
-        )  # fmt: skip
-        tiny_dims = dict(lin_key_heads=4, lin_value_heads=4, kv_lora_rank=32, qk_nope_dim=16, qk_rope_dim=16,
-                         v_head_dim=16, experts=8, top_k=2, moe_intermediate=32, gate_rank=32)  # fmt: skip
-    else:
-        raise LeapQuantError(f"bench decode: unknown model {name!r}; use one of {', '.join(MODELS)}")
-    if tiny:  # every width shrunk, the structure kept
-        spec = replace(spec, name=spec.name + "-tiny", hidden=64, vocab=128, lin_head_dim=32, attn_heads=4,
-                       intermediate=96, **tiny_dims)  # fmt: skip
+    try:
+        key = resolve_preset(name)
+    except LeapQuantError as exc:
+        raise LeapQuantError(f"bench decode: {exc}; the step builds {', '.join(MODELS)}") from None
+    shape = PRESETS[key]
+    if key not in MODELS:
+        raise LeapQuantError(
+            f"bench decode: {key} is not a hybrid the step models; use one of {', '.join(MODELS)}"
+        )
+    types = tuple(t.split("_")[0] for t in periodic_layer_types(layers, shape.full_attention_interval))
+    mla = shape.attention == "mla"
+    spec = ModelSpec(
+        name=key,
+        hidden=shape.hidden,
+        vocab=shape.vocab,
+        layer_types=types,
+        mlp_types=tuple(
+            "moe" if shape.experts and i >= shape.dense_layers else "dense" for i in range(layers)
+        ),
+        family="kda" if shape.decay == "vector" else "gdn",
+        lin_key_heads=shape.heads_k,
+        lin_value_heads=shape.heads_v,
+        lin_head_dim=shape.d_k,
+        conv_kernel=shape.conv_kernel,
+        attn=shape.attention,
+        attn_heads=shape.attn_heads,
+        attn_kv_heads=0 if mla else shape.kv_heads,
+        attn_head_dim=0 if mla else shape.head_dim,
+        rope_dim=0 if mla else shape.rotary_dim,
+        kv_lora_rank=shape.kv_lora_rank,
+        qk_nope_dim=shape.qk_nope_head_dim,
+        qk_rope_dim=shape.qk_rope_head_dim,
+        v_head_dim=shape.v_head_dim,
+        intermediate=shape.intermediate,
+        experts=shape.experts,
+        top_k=shape.top_k,
+        moe_intermediate=shape.moe_intermediate,
+        shared_experts=shape.shared_intermediate // shape.moe_intermediate if shape.experts else 0,
+        routed_scale=shape.routed_scaling_factor,
+        gate_rank=shape.gate_rank,
+        eps=shape.rms_norm_eps,
+        real_layers=shape.layers,
+        real_pattern=_real_pattern(shape),
+        source=shape.source,
+    )
+    if tiny:
+        spec = replace(spec, name=spec.name + "-tiny", **_TINY["common"], **_TINY[spec.family])
     return spec
-
-
-MODELS = ("qwen35-9b", "kimi-linear-48b")
 
 
 def _lin_dims(spec: ModelSpec) -> tuple[int, int, int]:
