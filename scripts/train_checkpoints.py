@@ -5,7 +5,8 @@ Per architecture (``--arch qwen35|kimi|both``) it
 
 * builds a ~7M-parameter hybrid, 3 linear-attention : 1 full-attention layers, with real-size linear heads
   (key and value head dim 128): ``Qwen3_5ForCausalLM`` (Gated DeltaNet, 2 key / 4 value heads) or
-  ``KimiLinearForCausalLM`` (KDA, 4 heads; MLA full attention; dense MLPs, no MoE);
+  ``KimiLinearForCausalLM`` (KDA, 4 heads; MLA full attention; dense MLPs, no MoE), its shape from
+  ``leapquant.plan.presets.byte_hybrid_config``, the one source ``leapquant memory`` also reads;
 * initialises the decay gates so that half of the linear heads start with long memory (``init_gates``); with
   transformers' default initialisation almost every GDN head starts, and stays, at decay ~0;
 * trains on the Python source in the interpreter's site-packages (never the standard library, which the
@@ -75,8 +76,11 @@ from transformers import (  # noqa: E402
     Qwen3_5TextConfig,
 )
 
+from leapquant.plan.presets import BYTE_VOCAB, byte_hybrid_config  # noqa: E402
+
 OFFSET, PAD, EOS = 3, 0, 1  # ids: 0 <pad>, 1 </s> (our file separator), 2 <unk>, byte b -> b + 3 (as ByT5)
-VOCAB = 256 + OFFSET
+VOCAB = BYTE_VOCAB
+assert VOCAB == 256 + OFFSET
 NAMES = {"qwen35": "qwen35-gdn-hybrid-byte", "kimi": "kimi-kda-hybrid-byte"}
 # vendored copies and backports of stdlib modules: never trained on (the eval reads the stdlib)
 VENDORED = {"_distutils", "distutils", "importlib_metadata", "importlib_resources", "backports", "zipp"}
@@ -214,52 +218,13 @@ def load_corpus(max_bytes: int, eval_bytes: int, val_permille: int = 10) -> dict
 
 # --------------------------------------------------------------------------------------------------- models
 def build_config(arch: str, tiny: bool):
-    n_layers, hidden, hd = (4, 64, 32) if tiny else (8, 256, 128)
-    layer_types = (["linear_attention"] * 3 + ["full_attention"]) * (n_layers // 4)
-    common = dict(
-        vocab_size=VOCAB,
-        hidden_size=hidden,
-        num_hidden_layers=n_layers,
-        layer_types=layer_types,
-        pad_token_id=PAD,
-        eos_token_id=EOS,
-        bos_token_id=None,
-        max_position_embeddings=8192,
-        dtype="bfloat16",
-    )  # the saved dtype; training keeps fp32 master weights
-    if arch == "qwen35":
-        return Qwen3_5TextConfig(
-            **common,
-            intermediate_size=2 * hidden,
-            num_attention_heads=2,
-            head_dim=hd,
-            num_key_value_heads=1,
-            linear_num_key_heads=1 if tiny else 2,
-            linear_num_value_heads=2 if tiny else 4,
-            linear_key_head_dim=hd,
-            linear_value_head_dim=hd,
-            tie_word_embeddings=True,
-        )
-    # MoE fields are unused (every MLP is dense): small values keep the config honest. KimiLinearForCausalLM
-    # declares no tied weights, so embeddings stay untied.
-    return KimiLinearConfig(
-        **common,
-        intermediate_size=3 * hidden // 2,
-        mlp_layer_types=["dense"] * n_layers,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        qk_nope_head_dim=hd // 4,
-        qk_rope_head_dim=hd // 4,
-        v_head_dim=hd // 2,
-        kv_lora_rank=hd,
-        q_lora_rank=None,
-        linear_num_heads=2 if tiny else 4,
-        linear_head_dim=hd,
-        tie_word_embeddings=False,
-        num_local_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=hidden // 2,
-    )
+    """The transformers config: the shape from ``leapquant.plan`` (the same fields ``leapquant memory`` reads
+    back from the saved config.json), plus the token ids and the saved dtype."""
+    fields = byte_hybrid_config(arch, tiny)
+    del fields["model_type"]
+    extra = dict(pad_token_id=PAD, eos_token_id=EOS, bos_token_id=None, max_position_embeddings=8192)
+    extra["dtype"] = "bfloat16"  # the saved dtype; training keeps fp32 master weights
+    return (Qwen3_5TextConfig if arch == "qwen35" else KimiLinearConfig)(**fields, **extra)
 
 
 def build_model(arch: str, tiny: bool):
