@@ -106,6 +106,7 @@ def cuda_close_resources(cfg) -> str:
 
 
 def cuda_closes() -> None:
+    from leapquant.methods import MethodConfig
     from leapquant.ops import PoolConfig
 
     try:
@@ -116,8 +117,8 @@ def cuda_closes() -> None:
     cases = (("gdn", "int8", 16, 4), ("kda", "int8", 16, 4), ("gdn", "int4", 16, 8),
              ("kda", "fp8-e4m3", 32, 4), ("gdn", "int8", 8, 0))  # fmt: skip
     for family, residual, window, rank in cases:
-        cfg = PoolConfig(heads=32, d_k=128, d_v=128, window=window, compensators=rank, residual=residual,
-                         decay="vector" if family == "kda" else "scalar")  # fmt: skip
+        method = MethodConfig(residual, window=window, compensators=rank, smoothing=True)
+        cfg = PoolConfig(method, heads=32, decay="vector" if family == "kda" else "scalar")
         print(f"CUDA close, {family} {residual} p={window} r={rank}: {cuda_close_resources(cfg)}")
 
 

@@ -12,9 +12,10 @@ import re
 
 import pytest
 import torch
+from pools import pool_config
 
 from leapquant.errors import LeapQuantError
-from leapquant.ops import LeapQuantPool, PoolConfig
+from leapquant.ops import LeapQuantPool
 from leapquant.ops.leapquant_decode import LaunchConfig, leapquant_decode, load_states, materialize_states
 from leapquant.ops.leapquant_decode.close_cuda import SOURCE, compile_options, shared_bytes, unsupported
 
@@ -22,7 +23,7 @@ GPU = torch.cuda.is_available()
 
 
 def config(family="gdn", residual="int8", window=16, rank=4, smooth=True, iters=1, heads=32, d=128):
-    return PoolConfig(heads=heads, d_k=d, d_v=d, window=window, compensators=rank, smoothing=smooth,
+    return pool_config(heads=heads, d_k=d, d_v=d, window=window, compensators=rank, smoothing=smooth,
                       residual=residual, decay="vector" if family == "kda" else "scalar",
                       power_iters=iters)  # fmt: skip
 
@@ -39,7 +40,8 @@ def test_unsupported_pools_say_why():
 
 
 def test_auto_keeps_the_triton_close_where_torch_cannot_build_the_cuda_one(monkeypatch):
-    from leapquant.ops.leapquant_decode import _resolve_close, close_cuda
+    from leapquant.ops.leapquant_decode import close_cuda
+    from leapquant.ops.leapquant_decode.launch import resolve_close
 
     pool = LeapQuantPool.allocate(config(heads=2), 1, "cpu")
     monkeypatch.setattr(
@@ -47,11 +49,11 @@ def test_auto_keeps_the_triton_close_where_torch_cannot_build_the_cuda_one(monke
     )  # as if on a GPU
     monkeypatch.delattr(torch.cuda, "_compile_kernel", raising=False)
     assert "no torch.cuda._compile_kernel" in close_cuda.unavailable()
-    assert _resolve_close(pool, LaunchConfig()) == "triton"  # auto: the Triton close
+    assert resolve_close(pool, LaunchConfig()) == "triton"  # auto: the Triton close
     with pytest.raises(
         LeapQuantError, match=r"close_impl='cuda' does not apply: torch .* no torch\.cuda\._compile"
     ):
-        _resolve_close(pool, LaunchConfig(close_impl="cuda"))
+        resolve_close(pool, LaunchConfig(close_impl="cuda"))
 
 
 def test_launch_rejects_an_unknown_close():

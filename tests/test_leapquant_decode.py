@@ -12,8 +12,10 @@ from dataclasses import replace
 
 import pytest
 import torch
+from pools import pool_config
 
 from leapquant.errors import LeapQuantError
+from leapquant.methods import parse_method
 from leapquant.methods.window import WindowedState
 from leapquant.ops import LeapQuantPool, PoolConfig
 from leapquant.ops.leapquant_decode import (
@@ -98,7 +100,7 @@ def close_impls(residual: str, rank: int) -> list[str]:
     128, scaled residuals); the CPU has the Triton close only (the interpreter)."""
     from leapquant.ops.leapquant_decode.close_cuda import unsupported
 
-    cfg = PoolConfig(heads=2, d_k=K, d_v=V, compensators=rank, smoothing=rank > 0, residual=residual)
+    cfg = pool_config(heads=2, d_k=K, d_v=V, compensators=rank, smoothing=rank > 0, residual=residual)
     cuda = FULL and unsupported(cfg) is None
     return ["triton", "cuda"] if cuda else ["triton"]
 
@@ -122,7 +124,7 @@ def test_kernel_matches_reference_and_tracks_the_exact_state(
 
     launch = LaunchConfig(close_impl=close_impl)
     gen = torch.Generator(device=DEVICE).manual_seed(window * 100 + rank)
-    cfg = PoolConfig(heads=hv, d_k=K, d_v=V, window=window, compensators=rank, smoothing=smooth,
+    cfg = pool_config(heads=hv, d_k=K, d_v=V, window=window, compensators=rank, smoothing=smooth,
                      residual=residual, records="fp32" if residual == "fp32" else "fp16",
                      decay="vector" if family == "kda" else "scalar")  # fmt: skip
     slots_total = 2 * n + 3
@@ -195,7 +197,7 @@ def test_kernel_matches_reference_and_tracks_the_exact_state(
 )
 def test_prefill_handoff_codes_are_bit_exact(residual, spread):
     """Without tokens or smoothing the kernel's quantization must equal the format's, code for code."""
-    cfg = PoolConfig(heads=2, d_k=K, d_v=V, window=4, compensators=0, smoothing=False, residual=residual)
+    cfg = pool_config(heads=2, d_k=K, d_v=V, window=4, compensators=0, smoothing=False, residual=residual)
     gen = torch.Generator(device=DEVICE).manual_seed(11 + spread)
     states = torch.randn(3, 2, K, V, generator=gen, device=DEVICE)
     states *= torch.rand(3, 2, 1, V, generator=gen, device=DEVICE) * 4
@@ -219,7 +221,7 @@ def test_prefill_handoff_codes_are_bit_exact(residual, spread):
 
 
 def test_prefill_handoff_round_trips():
-    cfg = PoolConfig(heads=2, d_k=K, d_v=V, window=4, compensators=4, smoothing=True, residual="int8")
+    cfg = pool_config(heads=2, d_k=K, d_v=V, window=4, compensators=4, smoothing=True, residual="int8")
     gen = torch.Generator(device=DEVICE).manual_seed(3)
     left = torch.randn(2, 2, K, 3, generator=gen, device=DEVICE)
     low_rank = left @ torch.randn(2, 2, 3, V, generator=gen, device=DEVICE)
@@ -237,7 +239,7 @@ def test_prefill_handoff_round_trips():
 def test_slots_not_in_the_batch_are_never_touched(close_impl):
     from leapquant.ops.leapquant_decode import LaunchConfig
 
-    cfg = PoolConfig(heads=2, d_k=K, d_v=V, window=2, compensators=2, smoothing=True, residual="int8")
+    cfg = pool_config(heads=2, d_k=K, d_v=V, window=2, compensators=2, smoothing=True, residual="int8")
     pool = LeapQuantPool.allocate(cfg, 6, DEVICE)
     gen = torch.Generator(device=DEVICE).manual_seed(5)
     for t in pool.tensors.values():  # sentinel everywhere: random bytes (NaN/inf patterns included)
@@ -260,10 +262,10 @@ def test_slots_not_in_the_batch_are_never_touched(close_impl):
 def test_general_records_match_windowed_state():
     """``leapquant_step_records`` (what ``simulate --backend triton`` runs) against the simulator's method."""
     gen = torch.Generator(device=DEVICE).manual_seed(7)
-    cfg = PoolConfig(heads=3, d_k=K, d_v=V, window=4, compensators=2, smoothing=True, residual="fp32",
+    cfg = pool_config(heads=3, d_k=K, d_v=V, window=4, compensators=2, smoothing=True, residual="fp32",
                      records="fp32", decay="vector")  # fmt: skip
     pool = LeapQuantPool.allocate(cfg, 1, DEVICE)
-    ref = WindowedState(cfg.method(), 3, K, V, dtype=torch.float64, device=DEVICE)
+    ref = WindowedState(cfg.method, 3, K, V, dtype=torch.float64, device=DEVICE)
     slots = torch.zeros(1, dtype=torch.int32, device=DEVICE)
     worst = 0.0
     for _ in range(10):
@@ -292,14 +294,14 @@ def test_general_records_match_windowed_state():
     ids=["duplicate", "out-of-range", "2d", "float"],
 )
 def test_bad_slots_are_rejected(slots, message):
-    pool = LeapQuantPool.allocate(PoolConfig(heads=2, d_k=K, d_v=V, window=4), 3, DEVICE)
+    pool = LeapQuantPool.allocate(pool_config(heads=2, d_k=K, d_v=V, window=4), 3, DEVICE)
     n = slots.shape[0]
     with pytest.raises(LeapQuantError, match=message):
         leapquant_decode(pool, slots.to(DEVICE), *tokens("gdn", n, 2, 2, torch.Generator(device=DEVICE)))
 
 
 def test_bad_token_shapes_are_rejected():
-    pool = LeapQuantPool.allocate(PoolConfig(heads=2, d_k=K, d_v=V, window=4, decay="vector"), 3, DEVICE)
+    pool = LeapQuantPool.allocate(pool_config(heads=2, d_k=K, d_v=V, window=4, decay="vector"), 3, DEVICE)
     slots = torch.tensor([0], dtype=torch.int32, device=DEVICE)
     q, k, v, g, beta = tokens("gdn", 1, 2, 2, torch.Generator(device=DEVICE))
     with pytest.raises(LeapQuantError, match="g has shape"):
@@ -311,14 +313,14 @@ def test_bad_token_shapes_are_rejected():
 
 
 def test_pool_sizes_match_the_paper():
-    cfg = PoolConfig.from_method("leapquant-int8", heads=32)
+    cfg = PoolConfig(parse_method("leapquant-int8"), heads=32)
     assert cfg.boundary_bytes_per_head() == 16384 + 512 + 512 + 2048  # 1.19 B/element
     assert (
-        PoolConfig.from_method("int4/w16+ct8+smooth", heads=1).boundary_bytes_per_head()
+        PoolConfig(parse_method("int4/w16+ct8+smooth"), heads=1).boundary_bytes_per_head()
         == 8192 + 512 + 512 + 4096
     )
     with pytest.raises(LeapQuantError, match="no kernel"):
-        PoolConfig.from_method("mxfp4/w16", heads=1)
+        PoolConfig(parse_method("mxfp4/w16"), heads=1)
 
 
 @pytest.mark.parametrize("family", ["gdn", "kda"])
@@ -327,7 +329,7 @@ def test_gate_and_beta_activation_in_the_kernel(family):
     gen = torch.Generator(device=DEVICE).manual_seed(11)
     hv, n = 2, 3
     decay = "vector" if family == "kda" else "scalar"
-    cfg = PoolConfig(
+    cfg = pool_config(
         heads=hv, d_k=K, d_v=V, window=4, compensators=2, residual="fp32", records="fp32", decay=decay
     )
     a_log = torch.randn(hv, generator=gen, device=DEVICE) * 0.5
@@ -380,12 +382,13 @@ def test_close_matches_reference_across_fit_options(family, residual, rank, smoo
     from leapquant.ops.leapquant_decode import LaunchConfig
 
     gen = torch.Generator(device=DEVICE).manual_seed(rank)
-    cfg = PoolConfig(heads=2, d_k=K, d_v=V, window=4, compensators=rank, smoothing=smooth, residual=residual,
+    cfg = pool_config(heads=2, d_k=K, d_v=V, window=4, compensators=rank, smoothing=smooth, residual=residual,
                      decay="vector" if family == "kda" else "scalar", power_iters=iters)  # fmt: skip
     slots = torch.tensor([3, -1, 0], dtype=torch.int32, device=DEVICE)
     # the kernel, the reference, and the reference without quantization (its distance to the reference is
     # what quantizing the residual changes: the yardstick for kernel-vs-reference rounding differences)
-    runs = [(cfg, "triton"), (cfg, "reference"), (replace(cfg, residual="fp32"), "reference")]
+    exact = replace(cfg, method=replace(cfg.method, codec="fp32", record_precision=cfg.records))
+    runs = [(cfg, "triton"), (cfg, "reference"), (exact, "reference")]
     pools = [LeapQuantPool.allocate(c, 5, DEVICE) for c, _ in runs]
     s0 = scale * torch.randn(3, 2, K, V, generator=gen, device=DEVICE)
     for pool, (_, backend) in zip(pools, runs):
@@ -423,7 +426,7 @@ def test_close_token_scratch_changes_no_bit(family, residual, rank, hv, n, progr
     from leapquant.ops.leapquant_decode import LaunchConfig
 
     gen = torch.Generator(device=DEVICE).manual_seed(rank)
-    cfg = PoolConfig(heads=hv, d_k=K, d_v=V, window=4, compensators=rank, smoothing=True, residual=residual,
+    cfg = pool_config(heads=hv, d_k=K, d_v=V, window=4, compensators=rank, smoothing=True, residual=residual,
                      decay="vector" if family == "kda" else "scalar")  # fmt: skip
     slots = torch.tensor([n + 1, -1, *range(n - 2)], dtype=torch.int32, device=DEVICE)
     pools = [LeapQuantPool.allocate(cfg, n + 2, DEVICE) for _ in range(2)]
@@ -462,7 +465,7 @@ def test_tensor_core_step_matches_cuda_core_step(family, residual, window, rank,
         pytest.skip("tensor-core products need d_k a multiple of 32")
     gen = torch.Generator(device=DEVICE).manual_seed(17)
     hv, n = 4, 5
-    cfg = PoolConfig(heads=hv, d_k=K, d_v=V, window=window, compensators=rank, smoothing=True,
+    cfg = pool_config(heads=hv, d_k=K, d_v=V, window=window, compensators=rank, smoothing=True,
                      residual=residual, decay="vector" if family == "kda" else "scalar")  # fmt: skip
     # also the two close schedules: split (closing heads step and close beside the others) and in turn
     launches = {
@@ -504,7 +507,7 @@ def test_close_scratch_outlives_a_larger_request():
     import gc
     import weakref
 
-    pool = LeapQuantPool.allocate(PoolConfig(heads=2, d_k=K, d_v=V, window=4, compensators=2), 3, DEVICE)
+    pool = LeapQuantPool.allocate(pool_config(heads=2, d_k=K, d_v=V, window=4, compensators=2), 3, DEVICE)
     first = weakref.ref(pool.close_scratch(64))
     assert pool.close_scratch(32).numel() == 64  # big enough: the same buffer
     assert pool.close_scratch(128).numel() == 128

@@ -3,6 +3,6 @@
 Nothing here imports Triton until a kernel is launched, so ``import leapquant.ops`` stays cheap.
 """
 
-from .pool import LeapQuantPool, PoolConfig
+from .pool import LeapQuantPool, PoolConfig, pool_unsupported
 
-__all__ = ["LeapQuantPool", "PoolConfig"]
+__all__ = ["LeapQuantPool", "PoolConfig", "pool_unsupported"]

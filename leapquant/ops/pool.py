@@ -38,115 +38,121 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import LeapQuantError
+from ..formats.residual import RESIDUAL_FORMATS, ResidualFormat
 from ..methods.config import MethodConfig
 
-__all__ = ["RESIDUAL_FORMATS", "LeapQuantPool", "PoolConfig"]
+__all__ = ["LeapQuantPool", "PoolConfig", "pool_unsupported"]
 
-# residual format -> (payload dtype, has per-value-channel scale, element max)
-RESIDUAL_FORMATS = {
-    "int8": (torch.int8, True, 127.0),
-    "int6": (torch.int8, True, 31.0),  # codes -31..31, one per byte: the kernels run the int8 path
-    "int4": (torch.uint8, True, 7.0),
-    "fp8-e4m3": (torch.float8_e4m3fn, True, 448.0),
-    "bf16": (torch.bfloat16, False, None),
-    "fp32": (torch.float32, False, None),
-}
 DECAYS = ("scalar", "vector")
+MAX_COMPENSATORS = 16
 # the pool tensors in the order the kernels take them (and their slot shifts, LeapQuantPool.slot_shift)
 SHIFT_ORDER = ("payload", "scale", "smooth", "comp_k", "comp_u", "rec_g", "rec_k", "rec_u", "pos")
 
 
+def pool_unsupported(method: MethodConfig) -> str | None:
+    """Why no pool (and no kernel) runs ``method`` (``None``: one does).
+
+    Pools run ``CODEC/wP[+ctR][+itN][+smooth][+rec16|+rec32]`` with ``CODEC`` a residual format
+    (:data:`~leapquant.formats.residual.RESIDUAL_FORMATS`), ``P >= 2`` and at most 16 fp16 compensator
+    tokens fitted by power iteration; per-step methods run on ``PerStepPool``.
+    """
+    if method.codec not in RESIDUAL_FORMATS:
+        return f"residual {method.codec!r} has no kernel (kernels store {', '.join(RESIDUAL_FORMATS)})"
+    if method.window < 2:
+        return "a per-step method (window 1) runs on PerStepPool, not a LeapQuant pool"
+    if method.fit != "power":
+        return "compensators fitted by exact SVD (+svd) have no kernel (power iteration only)"
+    if method.stochastic:
+        return "stochastic rounding (+sr) has no kernel"
+    if method.records not in ("fp16", "fp32"):
+        return f"{method.records} records have no kernel (+rec16 or +rec32)"
+    if method.compensator_precision != "fp16":
+        return "fp32 compensator tokens have no kernel (the pool keeps them in fp16)"
+    if method.compensators > MAX_COMPENSATORS:
+        return f"{method.compensators} compensator tokens (kernels take 0..{MAX_COMPENSATORS})"
+    return None
+
+
 @dataclass(frozen=True)
 class PoolConfig:
-    """Shape and method of a pool.
+    """A pool's method and layout.
 
     Attributes:
+        method: the method the pool runs (its reference is :class:`~leapquant.methods.WindowedState` of the
+            same config); :func:`pool_unsupported` says which methods have a pool.
         heads: value heads ``HV`` per slot.
         d_k, d_v: head dims (powers of two for the Triton kernels).
-        window: records per window ``P``.
-        compensators: compensator tokens ``R`` (0..16).
-        smoothing: residual smoothing.
-        residual: ``int8``, ``int6`` (6-bit codes in bytes: the accuracy of INT6 at the speed of the int8
-            kernels, not its memory), ``int4``, ``fp8-e4m3``, ``bf16`` or ``fp32``.
-        records: record precision, ``fp16`` or ``fp32``.
         decay: ``scalar`` (GDN, one decay per head) or ``vector`` (KDA, one per key channel).
-        power_iters: power iterations per window boundary; cold_iters: at prefill hand-off.
+
+    ``window``, ``compensators``, ``smoothing``, ``residual`` (the codec), ``records`` (fp16 or fp32),
+    ``power_iters`` and ``cold_iters`` read through to ``method``.
     """
 
+    method: MethodConfig
     heads: int
     d_k: int = 128
     d_v: int = 128
-    window: int = 16
-    compensators: int = 4
-    smoothing: bool = True
-    residual: str = "int8"
-    records: str = "fp16"
     decay: str = "scalar"
-    power_iters: int = 1
-    cold_iters: int = 8
 
     def __post_init__(self) -> None:
-        if self.residual not in RESIDUAL_FORMATS:
+        if not isinstance(self.method, MethodConfig):
             raise LeapQuantError(
-                f"pool: residual must be one of {', '.join(RESIDUAL_FORMATS)}, got {self.residual!r}"
+                f"pool: method must be a MethodConfig (leapquant.parse_method(name)), got {type(self.method)}"
             )
-        if self.records not in ("fp16", "fp32"):
-            raise LeapQuantError(f"pool: records must be fp16 or fp32, got {self.records!r}")
+        reason = pool_unsupported(self.method)
+        if reason is not None:
+            raise LeapQuantError(f"pool: no kernel for method {self.method.name!r}: {reason}")
         if self.decay not in DECAYS:
             raise LeapQuantError(f"pool: decay must be 'scalar' (GDN) or 'vector' (KDA), got {self.decay!r}")
-        for name in ("heads", "d_k", "d_v", "window", "power_iters", "cold_iters"):
+        for name in ("heads", "d_k", "d_v"):
             if getattr(self, name) < 1:
                 raise LeapQuantError(f"pool: {name} must be >= 1, got {getattr(self, name)}")
-        if not 0 <= self.compensators <= 16:
-            raise LeapQuantError(f"pool: compensators must be in 0..16, got {self.compensators}")
-        if self.residual == "int4" and self.d_k % 2:
-            raise LeapQuantError(f"pool: int4 packs two keys a byte, d_k must be even, got {self.d_k}")
-
-    @classmethod
-    def from_method(cls, method: str, heads: int, d_k: int = 128, d_v: int = 128, decay: str = "scalar"):
-        """The pool for a method name such as ``leapquant-int8`` or ``fp8-e4m3/w16+ct4+smooth``."""
-        from ..methods.config import parse_method
-
-        cfg = parse_method(method)
-        if cfg.codec not in RESIDUAL_FORMATS or cfg.window < 2 or cfg.fit != "power" or cfg.stochastic:
+        if self.d_k % self.format.keys_per_element:
             raise LeapQuantError(
-                f"pool: no kernel for {method!r}; kernels run CODEC/wP[+ctR][+itN][+smooth][+rec16|+rec32] "
-                f"with CODEC in {', '.join(RESIDUAL_FORMATS)} and P >= 2 (per-step formats use PerStepPool)"
+                f"pool: {self.residual} packs {self.format.keys_per_element} keys an element, d_k must be a "
+                f"multiple, got {self.d_k}"
             )
-        return cls(
-            heads=heads,
-            d_k=d_k,
-            d_v=d_v,
-            window=cfg.window,
-            compensators=cfg.compensators,
-            smoothing=cfg.smoothing,
-            residual=cfg.codec,
-            records="fp32" if cfg.records == "fp32" else "fp16",
-            decay=decay,
-            power_iters=cfg.power_iters,
-            cold_iters=cfg.cold_iters,
-        )
 
-    def method(self) -> MethodConfig:
-        """The reference method this pool implements (:class:`~leapquant.methods.WindowedState`)."""
-        return MethodConfig(
-            codec=self.residual,
-            window=self.window,
-            compensators=self.compensators,
-            power_iters=self.power_iters,
-            cold_iters=self.cold_iters,
-            smoothing=self.smoothing,
-            record_precision=self.records,
-        )
+    @property
+    def format(self) -> ResidualFormat:
+        return RESIDUAL_FORMATS[self.method.codec]
+
+    @property
+    def residual(self) -> str:
+        return self.method.codec
+
+    @property
+    def window(self) -> int:
+        return self.method.window
+
+    @property
+    def compensators(self) -> int:
+        return self.method.compensators
+
+    @property
+    def smoothing(self) -> bool:
+        return self.method.smoothing
+
+    @property
+    def records(self) -> str:
+        return self.method.records
+
+    @property
+    def power_iters(self) -> int:
+        return self.method.power_iters
+
+    @property
+    def cold_iters(self) -> int:
+        return self.method.cold_iters
 
     @property
     def packed(self) -> bool:
         """Whether the payload holds the residual format at its own width (not int6's codes in bytes)."""
-        return self.residual != "int6"
+        return self.format.packed
 
     @property
     def has_scale(self) -> bool:
-        return RESIDUAL_FORMATS[self.residual][1]
+        return self.format.scaled
 
     @property
     def record_dtype(self) -> torch.dtype:
@@ -155,8 +161,7 @@ class PoolConfig:
     def shapes(self, slots: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Every tensor of a pool of ``slots`` slots: name -> (shape, dtype)."""
         s, h, k, v, p, r = slots, self.heads, self.d_k, self.d_v, self.window, self.compensators
-        dtype = RESIDUAL_FORMATS[self.residual][0]
-        out = {"payload": ((s, h, v, k // 2 if self.residual == "int4" else k), dtype)}
+        out = {"payload": ((s, h, v, k // self.format.keys_per_element), self.format.payload_dtype)}
         if self.has_scale:
             out["scale"] = ((s, h, v), torch.float32)
         if self.smoothing:

@@ -11,8 +11,8 @@ rows).  So every pass over the state (start the fit, ``ITERS - 1`` further itera
 quantization) rebuilds its ``[BV, K]`` chunk from the int8 codes and the fp16 records instead of reading a
 64 KB fp32 copy: the head's factors ``col`` and ``keys`` are computed once, the codes and values of a chunk
 are ~6 KB that stay in L1/L2.  A program then needs a ``[BV, K]`` tile of registers, not ``[V, K]``, so four
-close programs share a multiprocessor (a close holding the whole state in registers, deleted since, fit
-two and measured 4% slower for GDN, 3% for KDA on the H200).
+close programs share a multiprocessor (a Triton close holding the whole state in registers fit two, and was
+slower; BENCHMARKS.md's tried-and-dropped list has it).
 
 Write order: a chunk's rows of the payload, scales and token values are read only while that chunk is
 rebuilt, so the last pass overwrites them chunk by chunk; the token keys and smoothing scales are read by

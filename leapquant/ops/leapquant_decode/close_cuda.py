@@ -3,10 +3,10 @@
 Same arithmetic as :func:`close.close_kernel` and :func:`naive.close_ref` (checked against both on the GPU,
 ``tests/test_close_cuda.py``), with the state of a closing head held whole in the registers of one 256-thread
 block and rebuilt once, where the Triton close rebuilds it at each of its three passes.  It applies to
-``d_k = d_v = 128`` (the head size of Qwen3.5/Qwen3-Next and Kimi-Linear), scaled residuals (int8, int6,
-int4, fp8-e4m3) and 0 to 4 or 8 tokens; :func:`unsupported` says why another pool does not qualify, and
-those keep the Triton close.  The CPU (and the Triton interpreter) never runs it: CI tests the Triton close,
-and the GPU runs check this one against it.
+``d_k = d_v = 128`` (the head size of Qwen3.5/Qwen3-Next and Kimi-Linear), the scaled residuals
+(``RESIDUAL_FORMATS[...].cuda_close``) and 0 to 4 or 8 tokens; :func:`unsupported` says why another pool
+does not qualify, and those keep the Triton close.  The CPU (and the Triton interpreter) never runs it: CI
+tests the Triton close, and the GPU runs check this one against it.
 """
 
 from __future__ import annotations
@@ -17,25 +17,25 @@ from pathlib import Path
 import torch
 
 from ...errors import LeapQuantError
+from ...formats.residual import CUDA_CLOSE_RESIDUALS
 from ..pool import LeapQuantPool, PoolConfig
 
 __all__ = [
-    "MAX_SHARED", "SCALED_RESIDUALS", "SOURCE", "THREADS", "compile_options", "launch_cuda_close",
+    "MAX_SHARED", "SOURCE", "THREADS", "compile_options", "launch_cuda_close",
     "shared_bytes", "unavailable", "unsupported",
 ]  # fmt: skip
 
 THREADS = 256  # one block per closing head: 16 x 16 threads of 8 x 8 state entries each
 MAX_SHARED = 227 * 1024  # a block's shared memory on Hopper (opt-in), and below it on older GPUs: checked
 SOURCE = Path(__file__).with_name("close.cu")  # shipped as package data (pyproject.toml)
-SCALED_RESIDUALS = ("int8", "int6", "int4", "fp8-e4m3")  # close.cu takes fused_recurrent.RESIDUAL_CODES
 
 
 def unsupported(cfg: PoolConfig) -> str | None:
     """Why the CUDA close does not apply to pools of ``cfg`` (``None``: it does)."""
     if (cfg.d_k, cfg.d_v) != (128, 128):
         return f"head size d_k={cfg.d_k}, d_v={cfg.d_v} (the CUDA close is built for 128 x 128)"
-    if cfg.residual not in SCALED_RESIDUALS:
-        return f"residual {cfg.residual!r} (the CUDA close takes {', '.join(SCALED_RESIDUALS)})"
+    if not cfg.format.cuda_close:
+        return f"residual {cfg.residual!r} (the CUDA close takes {', '.join(CUDA_CLOSE_RESIDUALS)})"
     if cfg.compensators > 4 and cfg.compensators != 8:
         # its products take tokens four at a time: 5 to 7 would leave a partial group of four
         return f"{cfg.compensators} compensator tokens (the CUDA close takes 0 to 4, or 8)"
@@ -53,13 +53,11 @@ def unavailable() -> str | None:
 
 def compile_options(cfg: PoolConfig) -> list[str]:
     """NVRTC options that specialise ``close.cu`` to pools of ``cfg``."""
-    from .fused_recurrent import RESIDUAL_CODES
-
     defines = {
         "LQ_P": cfg.window,
         "LQ_R": cfg.compensators,
         "LQ_ITERS": cfg.power_iters,
-        "LQ_RESIDUAL": RESIDUAL_CODES[cfg.residual][0],
+        "LQ_RESIDUAL": cfg.format.code,
         "LQ_SMOOTH": int(cfg.smoothing),
         "LQ_VECTOR_DECAY": int(cfg.decay == "vector"),
         "LQ_REC16": int(cfg.records == "fp16"),
@@ -93,10 +91,9 @@ def launch_cuda_close(pool: LeapQuantPool, blocks: int) -> None:
     """Close the windows of the heads the step kernel listed (``pool.close_list()``), ``blocks`` persistent
     blocks on the current stream (CUDA-graph capturable: one ``cuLaunchKernel``)."""
     from ...methods.smoothing import SMOOTHING_FLOOR
-    from .fused_recurrent import RESIDUAL_CODES
 
     cfg = pool.config
-    reason = unsupported(cfg)  # callers decide once a step (_resolve_close); this guards direct calls
+    reason = unsupported(cfg)  # callers decide once a step (launch.resolve_close); this guards direct calls
     if reason is not None:
         raise LeapQuantError(f"the CUDA close does not apply: {reason}")
     t = pool.tensors
@@ -105,7 +102,7 @@ def launch_cuda_close(pool: LeapQuantPool, blocks: int) -> None:
     args = [
         list_, count, t["payload"], t["scale"], t.get("smooth", dummy), t.get("comp_k", dummy),
         t.get("comp_u", dummy), t["rec_g"], t["rec_k"], t["rec_u"], t["pos"], float(SMOOTHING_FLOOR),
-        float(RESIDUAL_CODES[cfg.residual][1]),
+        float(cfg.format.qmax),
     ]  # fmt: skip
     with torch.cuda.device(pool.device):  # the pool's device and its current stream, not the caller's device
         kernel = _kernel(cfg, torch.cuda.current_device())

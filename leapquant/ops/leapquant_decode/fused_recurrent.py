@@ -1,7 +1,7 @@
 """Triton step kernels of the LeapQuant decode (GDN and KDA) on a :class:`~leapquant.ops.pool.LeapQuantPool`,
 and the row helpers the window-close kernels share.
 
-One decode step is a step launch and a close launch (``_launch_step`` in ``__init__.py``):
+One decode step is a step launch and a close launch (``launch_step`` in ``launch.py``):
 
 1. a step kernel (grid ``N*HV``, one program per head) computes the token's read vectors once, the
    compensator and record weights once (``[R, K]`` and ``[P, K]`` tiles), then walks the value rows in
@@ -28,7 +28,7 @@ import triton.language as tl
 
 from ..common import native_token, page_bases, rint, tf32_split
 
-__all__ = ["RESIDUAL_CODES", "SUBSET_ALL", "SUBSET_CLOSING", "SUBSET_OTHERS", "step_kernel", "step_tc_kernel"]
+__all__ = ["SUBSET_ALL", "SUBSET_CLOSING", "SUBSET_OTHERS", "step_kernel", "step_tc_kernel"]
 
 # Which heads a step launch takes: all of them, or one side of a split by the ``closing`` snapshot (heads
 # that fill their window this step, whose close runs on a side stream while the others step).
@@ -36,15 +36,8 @@ SUBSET_ALL = tl.constexpr(0)
 SUBSET_OTHERS = tl.constexpr(1)
 SUBSET_CLOSING = tl.constexpr(2)
 
-# residual format -> (code in the kernels, element max)
-RESIDUAL_CODES = {
-    "fp32": (0, 0.0),
-    "bf16": (1, 0.0),
-    "int8": (2, 127.0),
-    "int6": (2, 31.0),  # int8 bytes holding 6-bit codes
-    "fp8-e4m3": (3, 448.0),
-    "int4": (4, 7.0),
-}
+# ``RESIDUAL`` codes: leapquant.formats.residual.RESIDUAL_FORMATS (0 fp32, 1 bf16, 2 int8/int6, 3 fp8-e4m3,
+# 4 int4 packed two keys a byte)
 
 
 @triton.jit

@@ -14,9 +14,9 @@ import triton.language as tl
 
 from ..common import bf16_grid, native_token, rint
 
-__all__ = ["STATE_CODES", "per_step_kernel"]
+__all__ = ["per_step_kernel"]
 
-STATE_CODES = {"fp32": 0, "bf16": 1, "int8": 2}
+# ``STATE`` codes: leapquant.formats.residual.RESIDUAL_FORMATS[fmt].per_step_code (0 fp32, 1 bf16, 2 int8)
 
 
 @triton.heuristics(
