@@ -10,9 +10,10 @@ import torch
 
 from leapquant.bench.decode import DecodeModel, build_weights, model_spec
 from leapquant.bench.state_backends import make_backend
+from leapquant.bench.variants import parse_variant
 from leapquant.cli.main import main
 
-BACKENDS = ("fp32", "bf16", "int8-per-step", "leapquant-int8")
+BACKENDS = ("fp32:fla", "bf16", "int8", "leapquant-int8")
 MODELS = ("qwen3.5-9b", "kimi-linear-48b-a3b")
 B, CTX = 3, 8
 
@@ -93,7 +94,7 @@ def test_a_step_runs_for_every_backend_and_stays_finite(name):
     spec, weights = _tiny(name, long_memory=False)
     model = DecodeModel(spec, weights, B, CTX, "cpu")
     for backend in BACKENDS:
-        model.backend = make_backend(backend, spec, B, "cpu", kernel_backend="reference")
+        model.backend = make_backend(parse_variant(backend), spec, B, "cpu", kernel_backend="reference")
         for _ in range(3):  # the state, conv state and KV cache are updated in place
             logits = model.step()
         assert logits.shape == (B, spec.vocab) and logits.dtype == torch.bfloat16
@@ -112,7 +113,7 @@ def test_quantized_states_agree_with_fp32_from_the_same_state(name):
     spec, weights = _tiny(name)
     states = _states(spec)
     model = DecodeModel(spec, weights, B, CTX, "cpu", seed=1)
-    model.backend = make_backend("fp32", spec, B, "cpu", kernel_backend="reference")
+    model.backend = make_backend(parse_variant("fp32:fla"), spec, B, "cpu", kernel_backend="reference")
     model.backend.load(states)
     model.record_state_inputs = []
     model.step()
@@ -120,12 +121,12 @@ def test_quantized_states_agree_with_fp32_from_the_same_state(name):
     assert len(inputs) == spec.layer_types.count("linear")
 
     def outputs(backend: str, loaded: list[torch.Tensor]) -> list[torch.Tensor]:
-        be = make_backend(backend, spec, B, "cpu", kernel_backend="reference")
+        be = make_backend(parse_variant(backend), spec, B, "cpu", kernel_backend="reference")
         be.load(loaded)
         return [be(j, *x) for j, x in enumerate(inputs)]
 
-    ref = outputs("fp32", states)
-    for backend, tol in (("leapquant-int8", 1.5e-2), ("bf16", 1e-2), ("int8-per-step", 1.5e-2)):
+    ref = outputs("fp32:fla", states)
+    for backend, tol in (("leapquant-int8", 1.5e-2), ("bf16", 1e-2), ("int8", 1.5e-2)):
         errs = [_rel(o, r) for o, r in zip(outputs(backend, states), ref)]
         assert max(errs) < tol, (backend, errs)
     control = [_rel(o, r) for o, r in zip(outputs("leapquant-int8", [0 * s for s in states]), ref)]
@@ -139,16 +140,16 @@ def test_logits_of_leapquant_and_fp32_agree_on_the_dense_model():
 
     def logits(backend: str, loaded) -> torch.Tensor:
         model = DecodeModel(spec, weights, B, CTX, "cpu", seed=1)  # same tokens, conv states and caches
-        model.backend = make_backend(backend, spec, B, "cpu", kernel_backend="reference")
+        model.backend = make_backend(parse_variant(backend), spec, B, "cpu", kernel_backend="reference")
         model.backend.load(loaded)
         return model.step().float()
 
-    ref = logits("fp32", states)
+    ref = logits("fp32:fla", states)
     assert _rel(logits("leapquant-int8", states), ref) < 0.05
     assert _rel(logits("leapquant-int8", [0 * s for s in states]), ref) > 0.3
 
 
-@pytest.mark.parametrize("backend", ["leapquant-int8", "int8-per-step"])
+@pytest.mark.parametrize("backend", ["leapquant-int8", "int8"])
 def test_triton_kernels_in_the_step_match_the_reference(backend):
     """The path a GPU runs (Triton kernels, ``validate=False``), through the interpreter, on every layer's
     recorded inputs of one step of the Qwen3.5-shaped model."""
@@ -162,8 +163,8 @@ def test_triton_kernels_in_the_step_match_the_reference(backend):
     model.step()
     out = {}
     for key in ("reference", "triton", "fp32"):
-        name, impl = ("fp32", "reference") if key == "fp32" else (backend, key)
-        be = make_backend(name, spec, 2, "cpu", kernel_backend=impl)
+        name, impl = ("fp32:fla", "reference") if key == "fp32" else (backend, key)
+        be = make_backend(parse_variant(name), spec, 2, "cpu", kernel_backend=impl)
         be.load(states)
         out[key] = [be(j, *x) for j, x in enumerate(model.record_state_inputs)]
     for tri, ref, exact in zip(out["triton"], out["reference"], out["fp32"]):
@@ -175,14 +176,14 @@ def test_grouped_and_padded_moe_agree():
     out = {}
     for moe in ("grouped", "padded"):
         model = DecodeModel(spec, weights, B, CTX, "cpu", seed=1, moe=moe, moe_capacity=B * spec.top_k)
-        model.backend = make_backend("fp32", spec, B, "cpu", kernel_backend="reference")
+        model.backend = make_backend(parse_variant("fp32:fla"), spec, B, "cpu", kernel_backend="reference")
         out[moe] = model.step().float()
     assert _rel(out["padded"], out["grouped"]) < 1e-2
 
 
 def test_cli_writes_json_markdown_and_plot(tmp_path, capsys):
     out = tmp_path / "decode.json"
-    args = "bench decode --tiny --model both --batch 2 --context 8,16 --backends leapquant-int8 fp32 "
+    args = "bench decode --tiny --model both --batch 2 --context 8,16 --backends leapquant-int8 fp32:fla "
     args += "--state-impl reference --repeats 1 --warmup 0 --profile"
     args = [*args.split(), "--json", str(out), "--markdown", str(tmp_path / "d.md")]
     args += ["--plot", str(tmp_path / "d.png")]
@@ -197,7 +198,10 @@ def test_cli_writes_json_markdown_and_plot(tmp_path, capsys):
     for row in report["rows"]:
         assert row_keys <= row.keys(), row_keys - row.keys()
         assert row["finite"] and row["tokens_per_s"] > 0
-    assert [r["backend"] for r in report["rows"][:2]] == ["fp32", "leapquant-int8"]  # fp32 runs first
+    assert [r["backend"] for r in report["rows"][:2]] == [
+        "fp32:fla",
+        "leapquant-int8",
+    ]  # the baseline runs first
     assert report["rows"][0]["speedup_vs_fp32"] == 1.0 and report["rows"][0]["impl"] == "reference-fp32"
     cfg = report["configs"][0]
     assert {"no_state", "lm_head_ms", "attention_ms", "mlp_ms", "kv_cache_bytes"} <= cfg.keys()
@@ -212,9 +216,12 @@ def test_cli_refuses_real_sizes_without_a_gpu_and_bad_numbers(capsys):
         assert "needs a CUDA GPU" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["bench", "decode", "--tiny", "--batch", "0"])
-    assert main(["bench", "decode", "--tiny", "--backends", "fp32", "int3-per-step"]) == 2
+    assert main(["bench", "decode", "--tiny", "--backends", "fp32:fla", "int3"]) == 2
+    assert "int3: no kernel" in capsys.readouterr().err
     assert main(["bench", "decode", "--tiny", "--backends", "int9/w16"]) == 2
-    assert "unknown backend" in capsys.readouterr().err
+    assert "unknown format 'int9'" in capsys.readouterr().err
+    assert main(["bench", "decode", "--tiny", "--backends", "fp32:foo"]) == 2
+    assert "unknown option :foo" in capsys.readouterr().err
 
 
 def test_roofline_and_the_where_the_time_goes_table(tmp_path):
@@ -225,7 +232,10 @@ def test_roofline_and_the_where_the_time_goes_table(tmp_path):
 
     spec = model_spec("qwen35-9b")
     model = SimpleNamespace(spec=spec, batch=512, context=4096, w=build_weights(spec, "meta"))
-    fp32, lq = roofline(model, "fp32", 4000.0, 800.0), roofline(model, "leapquant-int8", 4000.0, 800.0)
+    fp32, lq = (
+        roofline(model, parse_variant("fp32:fla"), 4000.0, 800.0),
+        roofline(model, parse_variant("leapquant-int8"), 4000.0, 800.0),
+    )
     state_fp32 = 6 * 512 * 32 * 128 * 128 * 8  # fp32 state read + written by 6 GDN layers
     assert state_fp32 < fp32["state"]["bytes"] < 1.01 * state_fp32
     assert fp32["attention"]["bytes"] == 2 * 2 * 512 * 4 * 4096 * 256 * 2  # 2 layers x (K, V), bf16
@@ -236,7 +246,7 @@ def test_roofline_and_the_where_the_time_goes_table(tmp_path):
     assert 1.0 < fp32["ideal_ms"] / lq["ideal_ms"] < 1.4
 
     out = tmp_path / "r.json"
-    args = "bench decode --tiny --model qwen35-9b --batch 2 --context 8 --backends fp32 leapquant-int8 "
+    args = "bench decode --tiny --model qwen35-9b --batch 2 --context 8 --backends fp32:fla leapquant-int8 "
     args += f"--state-impl reference --repeats 1 --warmup 0 --profile --json {out}"
     assert main(args.split()) == 0
     report = json.loads(out.read_text())

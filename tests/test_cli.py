@@ -199,7 +199,7 @@ def test_simulate_triton_backend_refuses_methods_without_kernels(trace_path, cap
     assert "no kernel" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("variant", ["nonsense", "perstep-int8"])
+@pytest.mark.parametrize("variant", ["nonsense", "int8"])
 def test_bench_kernel_refuses_a_tune_variant_without_a_pool(variant, capsys):
     """``--tune-variant`` names the pool method the launch shapes are timed on; anything else is refused
     before any timing (on any machine)."""

@@ -29,7 +29,8 @@ import torch
 
 from ..errors import LeapQuantError
 from .decode import MODELS, DecodeModel, build_weights, kv_cache_bytes, model_spec
-from .state_backends import check_backend, make_backend
+from .state_backends import make_backend
+from .variants import Variant
 
 __all__ = ["decode_markdown", "plot_decode", "roofline", "run_decode"]
 
@@ -43,9 +44,6 @@ KERNEL_CLASSES = (
     ("attention", re.compile(r"flash|fmha|attention|attn|softmax", re.I)),
     ("gemm", re.compile(r"gemm|gemv|cutlass|nvjet|xmma|cublas|matmul|sm90_|sm80_|grouped", re.I)),
 )
-# state-kernel variant of each backend in bench.kernel's byte model
-VARIANTS = {"fp32": "fla-fp32", "bf16": "perstep-bf16", "bf16-per-step": "perstep-bf16",
-            "int8-per-step": "perstep-int8", "fp32-per-step": "perstep-fp32"}  # fmt: skip
 
 
 def _free(collect: bool = False) -> None:
@@ -116,20 +114,16 @@ def gemm_tflops(n: int = 8192, repeats: int = 10) -> float:
     return 2 * n**3 / (ms * 1e-3) / 1e12
 
 
-def state_pool_bytes(name: str, spec, batch: int) -> int:
-    """Bytes of every linear layer's state for ``batch`` sequences under backend ``name``."""
-    from ..ops.pool import PoolConfig
-
+def state_pool_bytes(variant: Variant, spec, batch: int) -> int:
+    """Bytes of every linear layer's state for ``batch`` sequences under ``variant``."""
     hv, kd, n_lin = spec.lin_value_heads, spec.lin_head_dim, spec.layer_types.count("linear")
-    per_head = {"fp32": 4 * kd * kd, "fp32-per-step": 4 * kd * kd, "bf16": 2 * kd * kd,
-                "bf16-per-step": 2 * kd * kd, "int8-per-step": kd * kd + 4 * kd}.get(name)  # fmt: skip
-    if per_head is not None:
-        return n_lin * batch * hv * per_head
-    cfg = PoolConfig.from_method(name, hv, kd, kd, "vector" if spec.family == "kda" else "scalar")
+    if variant.per_step:
+        return n_lin * batch * hv * variant.state_bytes_per_head(kd, kd)
+    cfg = variant.pool_config(hv, kd, kd, "vector" if spec.family == "kda" else "scalar")
     return n_lin * batch * cfg.bytes_per_slot()
 
 
-def roofline(model: DecodeModel, backend: str, copy_gbps: float, tflops: float) -> dict:
+def roofline(model: DecodeModel, backend: Variant, copy_gbps: float, tflops: float) -> dict:
     """Ideal step time: per component ``max(bytes / copy bandwidth, flops / GEMM throughput)``, summed.
 
     Components: ``gemm`` (every weight matrix except the embedding and routed experts, LM head included),
@@ -163,8 +157,7 @@ def roofline(model: DecodeModel, backend: str, copy_gbps: float, tflops: float) 
         attn_flops = n_full * 2 * b * spec.attn_heads * ctx * (2 * spec.kv_lora_rank + spec.qk_rope_dim)
     case = KernelCase(family=spec.family, n=b, heads=spec.lin_value_heads, key_heads=spec.lin_key_heads,
                       d_k=spec.lin_head_dim, d_v=spec.lin_head_dim)  # fmt: skip
-    variant = VARIANTS.get(backend, backend)
-    state = spec.layer_types.count("linear") * (state_bytes_per_step(variant, case) + case.io_bytes())
+    state = spec.layer_types.count("linear") * (state_bytes_per_step(backend, case) + case.io_bytes())
     comps = {"gemm": (2 * dense, 2 * b * dense), "experts": (2 * experts_hit, experts_flops),
              "attention": (kv, attn_flops), "state": (state, 0)}  # fmt: skip
     out: dict = {name: {"bytes": by, "flops": fl, "ideal_ms": max(by / bw, fl / peak) * 1e3}
@@ -174,6 +167,12 @@ def roofline(model: DecodeModel, backend: str, copy_gbps: float, tflops: float) 
     return out
 
 
+def _is_baseline(row: dict) -> bool:
+    """Whether a result row is the fp32 baseline (``fp32:fla``; reports made before variants were named
+    ``METHOD:OPTION`` called it ``fp32`` and carry no ``baseline`` field)."""
+    return row.get("baseline", row["backend"] == "fp32")
+
+
 def _grid(batches: list[int], contexts: list[int], grid: str, main: int) -> list[tuple[int, int]]:
     if grid == "cross":
         return [(b, c) for c in contexts for b in batches]
@@ -181,7 +180,7 @@ def _grid(batches: list[int], contexts: list[int], grid: str, main: int) -> list
     return star + [(max(batches), c) for c in contexts if c != main]
 
 
-def _memory_reason(spec, batch: int, context: int, backends: list[str], device) -> str | None:
+def _memory_reason(spec, batch: int, context: int, backends: list[Variant], device) -> str | None:
     """Why a configuration cannot run here (None if it fits in free GPU memory with a 4 GiB margin)."""
     if device.type != "cuda":
         return None
@@ -211,12 +210,7 @@ def run_decode(args) -> int:
     batches = args.batch or ([2, 4] if args.tiny else [64, 128, 256, 512])
     contexts = args.context or ([16, 32] if args.tiny else [1024, 2048, 4096, 8192])
     main = args.main_context or (4096 if 4096 in contexts else contexts[-1])
-    backends = list(dict.fromkeys(args.backends))
-    for name in backends:
-        check_backend(name)
-    if "fp32" in backends:
-        backends.remove("fp32")
-        backends.insert(0, "fp32")
+    backends = sorted(args.backends, key=lambda v: v.kernel != "fla")  # the baseline first
     moe = args.moe
     if moe == "auto":
         major = torch.cuda.get_device_capability()[0] if cuda else 0
@@ -224,7 +218,8 @@ def run_decode(args) -> int:
     opts = {"graph_steps": args.graph_steps, "warmup": args.warmup, "repeats": args.repeats}
     report: dict = {
         "rows": [], "configs": [], "models": {},
-        "settings": {"layers": args.layers, "backends": backends, "grid": args.grid, "main_context": main,
+        "settings": {"layers": args.layers, "backends": [v.label for v in backends], "grid": args.grid,
+                     "main_context": main,
                      "moe": moe, "state_impl": args.state_impl, "tiny": args.tiny, **opts, "seed": args.seed},
         "timing_note": "CUDA-graph replays, median" if cuda else
         "CPU eager wall clock: NOT meaningful (torch references or the Triton interpreter)",
@@ -331,16 +326,17 @@ def _bench_config(model: DecodeModel, cfg: dict, backends, device, opts, args, r
         cfg["attention_ms"] = base - cfg["no_state_no_attention"]["ms"]
         cfg["mlp_ms"] = base - cfg["no_state_no_mlp"]["ms"]
     fp32_row = None
-    for bname in backends:
-        row = _bench_backend(bname, model, cfg, device, opts, args, report)
+    for variant in backends:
+        row = _bench_backend(variant, model, cfg, device, opts, args, report)
         _free()
         report["rows"].append(row)
         if "error" in row:
-            say(f"{tag} {bname}: {row['error']}")
+            say(f"{tag} {variant.label}: {row['error']}")
             save()
             continue
-        if bname == "fp32":
+        if variant.kernel == "fla":
             fp32_row = row
+            row["baseline"] = True
         if fp32_row is not None:
             row["speedup_vs_fp32"] = fp32_row["ms"] / row["ms"]
             row["extrapolated_full_depth_speedup"] = (
@@ -352,7 +348,7 @@ def _bench_config(model: DecodeModel, cfg: dict, backends, device, opts, args, r
                 )
         flag = "" if row["graph"] or not cuda else "  [no graph]"
         say(
-            f"{tag} {bname:16s} {row['ms']:8.3f} ms {row['tokens_per_s']:9.0f} tok/s  "
+            f"{tag} {variant.label:16s} {row['ms']:8.3f} ms {row['tokens_per_s']:9.0f} tok/s  "
             f"{row.get('speedup_vs_fp32', 1.0):.2f}x fp32  state {100 * row['state_share']:4.1f}% "
             f"({row['state_ms']:.3f} ms; alone {row['state_ms_isolated']:.3f} ms){flag}"
         )
@@ -368,13 +364,13 @@ def _tensors(weights: dict):
             yield value
 
 
-def _bench_backend(bname: str, model: DecodeModel, cfg: dict, device, opts: dict, args, report) -> dict:
+def _bench_backend(variant: Variant, model: DecodeModel, cfg: dict, device, opts: dict, args, report) -> dict:
     """One backend on one configuration: full step, the state kernels alone, optional profile."""
     spec = model.spec
-    row = {"model": spec.name, "batch": model.batch, "context": model.context, "backend": bname}
+    row = {"model": spec.name, "batch": model.batch, "context": model.context, "backend": variant.label}
     try:
         backend = make_backend(
-            bname, spec, model.batch, device, seed=args.seed, kernel_backend=args.state_impl
+            variant, spec, model.batch, device, seed=args.seed, kernel_backend=args.state_impl
         )
     except LeapQuantError as exc:
         return {**row, "error": str(exc)}
@@ -405,7 +401,7 @@ def _bench_backend(bname: str, model: DecodeModel, cfg: dict, device, opts: dict
     layers_ms = row["ms"] - cfg["lm_head_ms"]
     row["extrapolated_full_depth_ms"] = layers_ms * spec.real_layers / spec.layers + cfg["lm_head_ms"]
     if "copy_gbps" in report:
-        row["roofline"] = roofline(model, bname, report["copy_gbps"], report["gemm_tflops"])
+        row["roofline"] = roofline(model, variant, report["copy_gbps"], report["gemm_tflops"])
     return row
 
 
@@ -448,7 +444,7 @@ def decode_markdown(report: dict) -> str:
                 sp = r.get("speedup_vs_fp32")
                 cells.append(f"{r['tokens_per_s']:,.0f} ({sp or 1:.2f}x; {100 * r['state_share']:.0f}% / "
                              f"{100 * r['state_share_isolated']:.0f}%)")  # fmt: skip
-                if sp and name != "fp32":
+                if sp and not _is_baseline(r):
                     ideal = r.get("roofline_speedup_vs_fp32")
                     full.append(
                         f"{name} {r['extrapolated_full_depth_speedup']:.2f}x"
@@ -512,7 +508,7 @@ def plot_decode(report: dict, path: str | Path) -> Path:
                 ax.bar(
                     x, r["tokens_per_s"] / 1e3, width, color=colors[j % 10], label=name if g == 0 else None
                 )
-                if r.get("speedup_vs_fp32") and name != "fp32":
+                if r.get("speedup_vs_fp32") and not _is_baseline(r):
                     ax.annotate(
                         f"{r['speedup_vs_fp32']:.2f}x",
                         (x, r["tokens_per_s"] / 1e3),

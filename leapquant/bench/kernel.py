@@ -1,10 +1,10 @@
 """Kernel benchmark: one decode token of one linear-attention layer, every state format, one registry.
 
-A *variant* is either a fixed baseline (``fla-fp32``: FLA's ``fused_recurrent_*`` with an fp32 state;
-``perstep-fp32|bf16|int8``: our per-step kernels) or any LeapQuant method name that has a kernel
-(``leapquant-int8``, ``int8/w16``, ``fp8-e4m3/w16+ct4+smooth``, ...), optionally suffixed ``:step`` to time
-the step kernel alone (positions frozen) for a breakdown, or ``:triton-close`` / ``:cuda-close`` to pick the
-window close (``LaunchConfig.close_impl``; without a suffix the launch's own choice).  Each variant reports
+A *variant* (:class:`~leapquant.bench.variants.Variant`) is a method with a kernel plus named options:
+``fp32:fla`` (FLA's ``fused_recurrent_*`` with an fp32 state: the baseline), a per-step method (``fp32``,
+``bf16``, ``int8``: our per-step kernels) or a windowed method (``leapquant-int8``, ``int8/w16``,
+``fp8-e4m3/w16+ct4+smooth``, ...), optionally with ``:step`` (the step kernel alone, positions frozen),
+``:triton-close`` / ``:cuda-close`` (which window close) or ``:paged`` (vLLM's page layout).  Each reports
 the median time per step from CUDA-graph replays over rotated inputs and pool slots, the bytes it must move
 (byte model below), the achieved bandwidth and its fraction of the measured copy bandwidth.
 
@@ -23,10 +23,10 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import LeapQuantError
+from .variants import Variant
 
-__all__ = ["BASELINES", "KernelCase", "bench_variant", "split_variant", "state_bytes_per_step"]
+__all__ = ["KernelCase", "bench_variant", "state_bytes_per_step"]
 
-BASELINES = ("fla-fp32", "perstep-fp32", "perstep-bf16", "perstep-int8")
 L2_BYTES = 60 << 20
 
 
@@ -56,50 +56,20 @@ class KernelCase:
         return self.n * per_seq
 
 
-def state_bytes_per_step(variant: str, case: KernelCase) -> float:
+def state_bytes_per_step(variant: Variant, case: KernelCase) -> float:
     """State bytes one step must move for ``case.n * case.heads`` heads (see the module docstring)."""
     heads = case.n * case.heads
-    kv = case.d_k * case.d_v
-    if variant == "fla-fp32" or variant == "perstep-fp32":
-        return heads * 8 * kv
-    if variant == "perstep-bf16":
-        return heads * 4 * kv
-    if variant == "perstep-int8":
-        return heads * 2 * (kv + 4 * case.d_v)
-    from ..ops.pool import PoolConfig
-
-    name, step_only = split_variant(variant)
-    cfg = PoolConfig.from_method(
-        name, case.heads, case.d_k, case.d_v, "vector" if case.family == "kda" else "scalar"
-    )
+    if variant.per_step:  # read and write the whole state
+        return heads * 2 * variant.state_bytes_per_head(case.d_k, case.d_v)
+    cfg = variant.pool_config(case.heads, case.d_k, case.d_v, "vector" if case.family == "kda" else "scalar")
     boundary = cfg.boundary_bytes_per_head()
     rb = 2 if cfg.records == "fp16" else 4
     record = rb * (case.d_k + case.d_v) + 4 * (case.d_k if cfg.decay == "vector" else 1)
     p = cfg.window
     per_head = boundary + (p - 1) / 2 * record + record + 4  # read boundary and records, write one record
-    if not step_only:
+    if not variant.step_only:
         per_head += 8 + (boundary + p * record + boundary) / p  # positions; window close amortized
     return heads * per_head
-
-
-CLOSE_SUFFIXES = {":triton-close": "triton", ":cuda-close": "cuda"}
-PAGED_SUFFIX = ":paged"  # the pool laid out in vLLM's state pages (adapter.paged_pool), not contiguous
-
-
-def split_variant(variant: str) -> tuple[str, bool]:
-    """``(method, step only)`` of a LeapQuant variant, without its close and paged suffixes."""
-    variant = _close_impl(variant.replace(PAGED_SUFFIX, ""))[0]
-    if variant.endswith(":step"):
-        return variant[: -len(":step")], True
-    return variant, False
-
-
-def _close_impl(variant: str) -> tuple[str, str | None]:
-    """``(variant without the suffix, close_impl)`` of a ``:triton-close`` / ``:cuda-close`` variant."""
-    for suffix, impl in CLOSE_SUFFIXES.items():
-        if variant.endswith(suffix):
-            return variant[: -len(suffix)], impl
-    return variant, None
 
 
 def _inputs(case: KernelCase, rotations: int, device: str, gen: torch.Generator) -> list[dict]:
@@ -128,13 +98,15 @@ def _randomize(pool, gen: torch.Generator) -> None:
     cfg = pool.config
     t = pool.tensors
     dev = pool.device
-    if cfg.residual == "int4":
+    fmt = cfg.format
+    if fmt.keys_per_element > 1:  # packed codes: any byte is two valid codes
         t["payload"].copy_(
-            torch.randint(0, 256, t["payload"].shape, generator=gen, device=dev).to(torch.uint8)
+            torch.randint(0, 256, t["payload"].shape, generator=gen, device=dev).to(fmt.payload_dtype)
         )
-    elif cfg.residual in ("int8",):
+    elif fmt.integer:
+        q = int(fmt.qmax)
         t["payload"].copy_(
-            torch.randint(-127, 128, t["payload"].shape, generator=gen, device=dev).to(torch.int8)
+            torch.randint(-q, q + 1, t["payload"].shape, generator=gen, device=dev).to(fmt.payload_dtype)
         )
     else:
         t["payload"].copy_(torch.randn(t["payload"].shape, generator=gen, device=dev).to(t["payload"].dtype))
@@ -155,7 +127,7 @@ def _fla(case: KernelCase, inputs: list[dict], device: str, gen: torch.Generator
         from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
         from fla.ops.kda import fused_recurrent_kda
     except ImportError as exc:  # pragma: no cover - GPU only
-        raise LeapQuantError(f"bench: fla-fp32 needs flash-linear-attention installed ({exc})") from None
+        raise LeapQuantError(f"bench: fp32:fla needs flash-linear-attention installed ({exc})") from None
     states = [
         torch.randn(case.n, case.heads, case.d_k, case.d_v, generator=gen, device=device)
         for _ in range(len(inputs))
@@ -176,7 +148,7 @@ def _fla(case: KernelCase, inputs: list[dict], device: str, gen: torch.Generator
 
 
 def bench_variant(
-    variant: str,
+    variant: Variant,
     case: KernelCase,
     *,
     launch=None,
@@ -196,14 +168,14 @@ def bench_variant(
     slot_sets = [
         torch.arange(i * case.n, (i + 1) * case.n, device=device, dtype=torch.int32) for i in range(rotations)
     ]
-    if variant == "fla-fp32":
+    if variant.kernel == "fla":
         step = _fla(case, inputs, device, gen)
         io = case.io_bytes()
-    elif variant.startswith("perstep-"):
+    elif variant.per_step:
         from ..ops.per_step_decode import PerStepPool, per_step_decode
 
         pool = PerStepPool.allocate(
-            variant.split("-")[1], case.n * rotations, case.heads, case.d_k, case.d_v, device
+            variant.method.codec, case.n * rotations, case.heads, case.d_k, case.d_v, device
         )
         pool.state.copy_(torch.randn(pool.state.shape, generator=gen, device=device).to(pool.state.dtype))
 
@@ -215,15 +187,14 @@ def bench_variant(
         from dataclasses import replace
 
         from ..ops.leapquant_decode import LaunchConfig, leapquant_decode
-        from ..ops.pool import LeapQuantPool, PoolConfig
+        from ..ops.pool import LeapQuantPool
 
-        name, step_only = split_variant(variant)
-        impl = _close_impl(variant.replace(PAGED_SUFFIX, ""))[1]
-        if impl is not None:
-            launch = replace(launch or LaunchConfig(), close_impl=impl)
+        step_only = variant.step_only
+        if variant.close != "auto":
+            launch = replace(launch or LaunchConfig(), close_impl=variant.close)
         decay = "vector" if case.family == "kda" else "scalar"
-        cfg = PoolConfig.from_method(name, case.heads, case.d_k, case.d_v, decay)
-        if PAGED_SUFFIX in variant:  # vLLM's layout: conv state first in each page, padding after
+        cfg = variant.pool_config(case.heads, case.d_k, case.d_v, decay)
+        if variant.paged:  # vLLM's layout: conv state first in each page, padding after
             from ..integrations.vllm.adapter import paged_pool
 
             conv = 2 * 3 * (2 * case.key_heads * case.d_k + case.heads * case.d_v)  # bf16, kernel width 4
@@ -247,7 +218,7 @@ def bench_variant(
             timing["breakdown"] = {"error": f"{type(exc).__name__}: {exc}"}
     total = state_bytes + io
     return {
-        "variant": variant,
+        "variant": variant.label,
         "family": case.family,
         "n": case.n,
         "heads": case.heads,

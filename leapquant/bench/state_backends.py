@@ -12,21 +12,23 @@ import torch
 
 from ..errors import LeapQuantError
 from .decode import ModelSpec
+from .variants import Variant
 
-__all__ = ["StateBackend", "check_backend", "make_backend"]
+__all__ = ["StateBackend", "make_backend"]
 
 
 @dataclass
 class StateBackend:
     """The states of every linear-attention layer for ``batch`` sequences, and the kernel that steps them.
 
-    ``name``: ``fp32`` (FLA's ``fused_recurrent_*`` on an fp32 ``[B, HV, K, V]`` state; the torch
-    reference where FLA or CUDA is missing), ``bf16`` / ``<fmt>-per-step`` (our per-step kernels,
-    ``fmt`` in fp32/bf16/int8) or a LeapQuant method (``leapquant-int8``, ``int8/w16``, ...).
-    ``impl`` says what ran.  Calling ``backend(layer, q, k, v, g, beta)`` with ``q, k [B, H, K]``,
-    ``v [B, HV, V]``, ``g [B, HV]`` (GDN) or ``[B, HV, K]`` (KDA) log decays and ``beta [B, HV]`` returns
-    ``o [B, HV, V]`` in ``v``'s dtype and updates the layer's state in place (FLA's public op writes a new
-    fp32 final state instead, which is dropped: the same bytes as an in-place update, no copy back).
+    ``name``: the variant's label (:mod:`.variants`): ``fp32:fla`` (FLA's ``fused_recurrent_*`` on an fp32
+    ``[B, HV, K, V]`` state), a per-step method (``fp32``, ``bf16``, ``int8``: our per-step kernels) or a
+    windowed method (``leapquant-int8``, ``int8/w16``, ...).  ``impl`` says what ran (``fla``,
+    ``reference-fp32``, ``per-step-<fmt>`` or ``leapquant``).  Calling ``backend(layer, q, k, v, g, beta)``
+    with ``q, k [B, H, K]``, ``v [B, HV, V]``, ``g [B, HV]`` (GDN) or ``[B, HV, K]`` (KDA) log decays and
+    ``beta [B, HV]`` returns ``o [B, HV, V]`` in ``v``'s dtype and updates the layer's state in place (FLA's
+    public op writes a new fp32 final state instead, which is dropped: the same bytes as an in-place
+    update, no copy back).
     """
 
     name: str
@@ -102,69 +104,49 @@ def _fla_available() -> bool:
     return True
 
 
-def check_backend(name: str) -> None:
-    """Raise :class:`LeapQuantError` unless ``name`` is a state backend :func:`make_backend` can build."""
-    if name in ("fp32", "bf16"):
-        return
-    if name.endswith("-per-step"):
-        if name[: -len("-per-step")] not in ("fp32", "bf16", "int8"):
-            raise LeapQuantError(
-                f"bench decode: unknown backend {name!r} (per-step: fp32/bf16/int8-per-step)"
-            )
-        return
-    from ..ops.pool import PoolConfig
-
-    try:
-        PoolConfig.from_method(name, 1)
-    except LeapQuantError as exc:
-        raise LeapQuantError(
-            f"bench decode: unknown backend {name!r} (use fp32, bf16, <fmt>-per-step or a method: {exc})"
-        ) from None
-
-
 def make_backend(
-    name: str, spec: ModelSpec, batch: int, device, *, seed: int = 0, kernel_backend: str = "auto"
+    variant: Variant, spec: ModelSpec, batch: int, device, *, seed: int = 0, kernel_backend: str = "auto"
 ) -> StateBackend:
     """Allocate the states of ``spec``'s linear layers for ``batch`` sequences, filled with plausible content.
 
     LeapQuant pools get random payloads and window positions spread uniformly over ``0..P-1`` (as
     ``bench kernel`` does), so ``1/P`` of the heads close a window at every step, as under continuous
-    batching; the other states get random values.
+    batching; the other states get random values.  ``fp32:fla`` runs the torch reference of FLA's kernel on
+    the CPU (or with ``kernel_backend="reference"``).
     """
     device = torch.device(device)
     gen = torch.Generator(device=device).manual_seed(seed + 7)
     n_lin = spec.layer_types.count("linear")
     hv, kd = spec.lin_value_heads, spec.lin_head_dim
     slots = torch.arange(batch, dtype=torch.int32, device=device)
-    if name == "fp32":
+    if variant.kernel == "fla":
         if device.type != "cuda" or kernel_backend == "reference":
             impl = "reference-fp32"
         elif _fla_available():
             impl = "fla"
-        else:  # a GPU without FLA: our per-step fp32 kernel (same state bytes), labelled as such
-            name, impl = "fp32-per-step", None
-        if impl is not None:
-            states = [torch.randn(batch, hv, kd, kd, generator=gen, device=device) for _ in range(n_lin)]
-            return StateBackend("fp32", impl, spec.family, states, slots, kernel_backend)
-    if name == "bf16":
-        name = "bf16-per-step"
-    if name.endswith("-per-step"):
+        else:
+            raise LeapQuantError(
+                "bench decode: fp32:fla needs flash-linear-attention on a GPU (fp32 runs our per-step kernel)"
+            )
+        states = [torch.randn(batch, hv, kd, kd, generator=gen, device=device) for _ in range(n_lin)]
+        return StateBackend(variant.label, impl, spec.family, states, slots, kernel_backend)
+    if variant.per_step:
         from ..ops.per_step_decode import PerStepPool
 
-        fmt = name[: -len("-per-step")]
+        fmt = variant.method.codec
         states = []
         for _ in range(n_lin):
             pool = PerStepPool.allocate(fmt, batch, hv, kd, kd, device)
             pool.state.copy_(torch.randn(pool.state.shape, generator=gen, device=device).to(pool.state.dtype))
             states.append(pool)
-        return StateBackend(name, f"per-step-{fmt}", spec.family, states, slots, kernel_backend)
-    from ..ops.pool import LeapQuantPool, PoolConfig
+        return StateBackend(variant.label, f"per-step-{fmt}", spec.family, states, slots, kernel_backend)
+    from ..ops.pool import LeapQuantPool
     from .kernel import _randomize
 
-    cfg = PoolConfig.from_method(name, hv, kd, kd, "vector" if spec.family == "kda" else "scalar")
+    cfg = variant.pool_config(hv, kd, kd, "vector" if spec.family == "kda" else "scalar")
     states = []
     for _ in range(n_lin):
         pool = LeapQuantPool.allocate(cfg, batch, device)
         _randomize(pool, gen)
         states.append(pool)
-    return StateBackend(name, "leapquant", spec.family, states, slots, kernel_backend)
+    return StateBackend(variant.label, "leapquant", spec.family, states, slots, kernel_backend)

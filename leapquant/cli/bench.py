@@ -10,10 +10,10 @@ from ..errors import LeapQuantError
 
 # Variants that make the paper's Table 2 kernel column, plus our other formats and a step-only breakdown.
 MAIN = (
-    "fla-fp32",
-    "perstep-bf16",
+    "fp32:fla",
+    "bf16",
     "bf16/w16",
-    "perstep-int8",
+    "int8",
     "int8/w16",
     "int8/w16+ct4",
     "leapquant-int8",
@@ -24,7 +24,7 @@ MAIN = (
 )
 # The window / rank sweep of the paper's Table 3 (r=4 for the windows, p=16 for the ranks).
 SWEEP = (
-    "fla-fp32",
+    "fp32:fla",
     "int8/w8+ct4+smooth",
     "leapquant-int8",
     "int8/w32+ct4+smooth",
@@ -32,7 +32,7 @@ SWEEP = (
     "int8/w16+ct2+smooth",
     "int8/w16+ct8+smooth",
 )
-PRESETS = {"main": MAIN, "sweep": SWEEP}
+VARIANT_SETS = {"main": MAIN, "sweep": SWEEP}
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -48,8 +48,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     k.add_argument("--n", default="64,128,256,512,1024", help="comma list of batch sizes")
     k.add_argument("--heads", type=int, default=32, help="value heads HV (default 32)")
     k.add_argument("--gdn-key-heads", type=int, default=16, help="GDN query/key heads (Qwen3.5/Next: 16)")
-    k.add_argument("--preset", choices=sorted(PRESETS), default="main")
-    k.add_argument("--variant", "-v", action="append", help="variants instead of the preset (repeatable)")
+    k.add_argument("--preset", choices=sorted(VARIANT_SETS), default="main", help="the variants to run")
+    k.add_argument(
+        "--variant", "-v", action="append",
+        help="METHOD[:fla|:step|:triton-close|:cuda-close|:paged] instead of the preset (repeatable)",
+    )  # fmt: skip
     k.add_argument("--step-bv", type=int, default=None, help="launch: value rows per step chunk")
     k.add_argument("--step-warps", type=int, default=None, help="launch: warps per step program")
     k.add_argument("--step-tc-bv", type=int, default=None, help="launch: rows per tensor-core chunk")
@@ -125,7 +128,11 @@ def _add_decode_parser(bsub: argparse._SubParsersAction) -> None:
         "per state backend, speedup over fp32, the share of the step in the state kernels. Without a GPU "
         "use --tiny (timings are then not meaningful).",
     )
-    d.add_argument("--model", choices=("qwen35-9b", "kimi-linear-48b", "both"), default="both")
+    d.add_argument(
+        "--model", default="both",
+        help="a model preset the step can build (qwen3.5-9b, kimi-linear-48b-a3b; the names `leapquant memory` "
+        "takes) or both (default)",
+    )  # fmt: skip
     d.add_argument(
         "--batch", nargs="+", type=_int_list, default=None, help="batch sizes (default 64 128 256 512)"
     )
@@ -147,8 +154,9 @@ def _add_decode_parser(bsub: argparse._SubParsersAction) -> None:
     d.add_argument(
         "--backends",
         nargs="+",
-        default=["fp32", "bf16", "leapquant-int8"],
-        help="fp32 (FLA), bf16 / fp32-per-step / int8-per-step (ours) or LeapQuant methods (leapquant-int8)",
+        default=["fp32:fla", "bf16", "leapquant-int8"],
+        help="fp32:fla (FLA's kernels), per-step methods fp32 / bf16 / int8 (ours) or windowed methods "
+        "(leapquant-int8); default fp32:fla bf16 leapquant-int8",
     )
     d.add_argument(
         "--layers", type=int, default=8, help="layers of the model (default 8, real layer pattern)"
@@ -189,7 +197,9 @@ def _int_list(text: str) -> list[int]:
 
 def run_decode(args: argparse.Namespace) -> int:
     from ..bench.decode_run import run_decode as run
+    from ..bench.variants import parse_variant
 
+    args.backends = [parse_variant(b) for b in dict.fromkeys(args.backends)]
     for name in ("batch", "context"):  # each value may be a comma list: flatten
         values = getattr(args, name)
         if values is not None:
@@ -228,25 +238,28 @@ def run_kernel(args: argparse.Namespace) -> int:
 
     import torch
 
-    from ..bench.kernel import KernelCase, bench_variant, split_variant
+    from ..bench.kernel import KernelCase, bench_variant
     from ..bench.timing import copy_bandwidth
+    from ..bench.variants import Variant, parse_variant
     from ..eval.provenance import provenance
     from ..ops.leapquant_decode import LaunchConfig
-    from ..ops.pool import PoolConfig
     from .simulate import console
 
-    if args.tune:
-        try:
-            PoolConfig.from_method(args.tune_variant, args.heads)
-        except LeapQuantError as exc:
-            raise LeapQuantError(f"--tune-variant {args.tune_variant!r}: not a pool method ({exc})") from None
+    variants = [parse_variant(v) for v in args.variant or VARIANT_SETS[args.preset]]
+    sweep = [parse_variant(v) for v in SWEEP] if args.sweep_at else []
+    try:
+        tune_variant = parse_variant(args.tune_variant)
+        reason = "a per-step method" if tune_variant.per_step or tune_variant.step_only else None
+    except LeapQuantError as exc:
+        reason = str(exc)
+    if reason is not None:
+        raise LeapQuantError(f"--tune-variant {args.tune_variant!r}: not a pool method ({reason})")
     if not torch.cuda.is_available():
         raise LeapQuantError(
             "bench kernel needs a CUDA GPU (kernels are tested on the CPU by pytest instead)"
         )
     families = [f for f in args.family.split(",") if f]
     sizes = _ints(args.n, "--n")
-    variants = args.variant or list(PRESETS[args.preset])
     overrides = {
         "step_bv": args.step_bv,
         "step_warps": args.step_warps,
@@ -280,47 +293,44 @@ def run_kernel(args: argparse.Namespace) -> int:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
 
-    def measure(variant: str, case, shape) -> dict:
+    def measure(variant: Variant, case, shape) -> dict:
         try:
             row = bench_variant(variant, case, launch=shape, use_graph=not args.no_graph,
                                 breakdown=args.breakdown)  # fmt: skip
         except Exception as exc:  # a failing variant must not hide the others' numbers
             row = {
-                "variant": variant,
+                "variant": variant.label,
                 "family": case.family,
                 "n": case.n,
                 "error": f"{type(exc).__name__}: {exc}",
             }
-            con.print(f"[red]{case.family} n={case.n} {variant}: {row['error']}[/red]")
+            con.print(f"[red]{case.family} n={case.n} {variant.label}: {row['error']}[/red]")
             return row
         row["copy_fraction"] = row["gbps"] / copy_gbps
         row["launch"] = shape.__dict__
-        _print_breakdown(con, f"{case.family} n={case.n} {variant}", row.get("breakdown", {}))
+        _print_breakdown(con, f"{case.family} n={case.n} {variant.label}", row.get("breakdown", {}))
         return row
 
     for family in families:
         key_heads = args.gdn_key_heads if family == "gdn" else args.heads
         decay = "scalar" if family == "gdn" else "vector"
 
-        def default_launch(variant: str, decay=decay) -> LaunchConfig:
+        def default_launch(variant: Variant, decay=decay) -> LaunchConfig:
             """Without --tune: the tuned launch for the variant's token count, then the overrides."""
-            name = split_variant(variant)[0]
-            rank = 4
-            if name != "fla-fp32" and not name.startswith("perstep-"):
-                rank = PoolConfig.from_method(name, args.heads).compensators
+            rank = 4 if variant.per_step else variant.method.compensators
             return replace(LaunchConfig.tuned(decay, rank), **overrides)
 
-        launch = default_launch(args.tune_variant)
+        launch = default_launch(tune_variant)
         shape = launch
         if args.tune:
             case = KernelCase(family=family, n=sizes[0], heads=args.heads, key_heads=key_heads)
             shape = _tune(case, launch, measure, report, con, step=args.tune != "close",
-                          close=args.tune != "step", variant=args.tune_variant)  # fmt: skip
+                          close=args.tune != "step", variant=tune_variant)  # fmt: skip
             save()
         report["launch"][family] = shape.__dict__
         runs = [(n, variants, "main") for n in sizes]
         if args.sweep_at:
-            runs.append((args.sweep_at, SWEEP, "sweep"))
+            runs.append((args.sweep_at, sweep, "sweep"))
         for n, names, table in runs:
             case = KernelCase(family=family, n=n, heads=args.heads, key_heads=key_heads)
             base = None
@@ -331,12 +341,13 @@ def run_kernel(args: argparse.Namespace) -> int:
                 if "error" in row:
                     save()
                     continue
-                if variant == "fla-fp32":
+                if variant.kernel == "fla":
                     base = row["ms"]
                 row["speedup_vs_fla_fp32"] = base / row["ms"] if base else None
                 save()
                 con.print(
-                    f"{family} n={n:5d} {variant:28s} {row['ms'] * 1e3:9.1f} us  {row['gbps']:7.0f} GB/s  "
+                    f"{family} n={n:5d} {variant.label:28s} {row['ms'] * 1e3:9.1f} us  "
+                    f"{row['gbps']:7.0f} GB/s  "
                     f"{100 * row['copy_fraction']:5.1f}% of copy"
                     + (f"  {row['speedup_vs_fla_fp32']:.2f}x FLA fp32" if row["speedup_vs_fla_fp32"] else "")
                 )
@@ -389,21 +400,19 @@ CLOSE_SHAPES = (
 )
 
 
-def _tune(case, launch, measure, report, con, *, step: bool = True, close: bool = True,
-          variant: str = "leapquant-int8"):  # fmt: skip
+def _tune(case, launch, measure, report, con, *, variant, step: bool = True, close: bool = True):
     """Pick the fastest step shape on ``variant:step`` (tensor-core and CUDA-core kernels), then the close
     shape on ``variant``, then whether its token-value scratch pays."""
     from dataclasses import replace
 
-    from ..ops.pool import PoolConfig
-
+    step_variant = replace(variant, step_only=True, label=variant.label + ":step")
     best, best_ms = launch, float("inf")
     shapes = [replace(launch, step_mma=True, step_tc_bv=bv, step_tc_warps=w, step_tc_stages=st,
                       step_tc_maxnreg=reg) for bv, w, st, reg in TC_STEP_SHAPES]  # fmt: skip
     shapes += [replace(launch, step_mma=False, step_bv=bv, step_warps=w, step_stages=st, fast_cvt=fast)
                for bv, w, st, fast in STEP_SHAPES]  # fmt: skip
     for shape in shapes if step else ():
-        row = measure(f"{variant}:step", case, shape)
+        row = measure(step_variant, case, shape)
         report["tuning"].append(row)
         if "error" not in row and row["ms"] < best_ms:
             best, best_ms = shape, row["ms"]
@@ -418,8 +427,7 @@ def _tune(case, launch, measure, report, con, *, step: bool = True, close: bool 
         if "error" not in row and row["ms"] < best_ms:
             chosen, best_ms = shape, row["ms"]
         con.print(f"tune {case.family} close {shape}: {row.get('ms', float('nan')) * 1e3:.1f} us")
-    cfg = PoolConfig.from_method(variant, case.heads) if close else None
-    if cfg is not None and cfg.smoothing and cfg.compensators:  # the chosen shape without the scratch
+    if close and variant.method.smoothing and variant.method.compensators:  # the chosen shape, no scratch
         shape = replace(chosen, close_token_scratch=False)
         row = measure(variant, case, shape)
         report["tuning"].append(row)
