@@ -24,6 +24,7 @@ import torch
 
 from leapquant.errors import LeapQuantError
 from leapquant.eval.provenance import provenance
+from leapquant.methods import parse_method
 from leapquant.ops.per_step_decode import PerStepPool
 from leapquant.ops.pool import LeapQuantPool, PoolConfig
 from leapquant.plan import buffer_plan, load_shape
@@ -95,14 +96,13 @@ def allocate_state(shape, method, batch, specs, device) -> list[torch.Tensor]:
     """The live state through the library's own pools where one exists (one pool per linear layer)."""
     kind, _ = state_layout(shape, method, batch)
     if kind == "pool":
-        cfg = PoolConfig.from_method(
-            method, heads=shape.heads_v, d_k=shape.d_k, d_v=shape.d_v, decay=shape.decay
+        cfg = PoolConfig(
+            parse_method(method), heads=shape.heads_v, d_k=shape.d_k, d_v=shape.d_v, decay=shape.decay
         )
         pools = [LeapQuantPool.allocate(cfg, slots=batch, device=device) for _ in range(shape.linear_layers)]
         return [t for p in pools for t in p.tensors.values()]
     if kind == "per-step":
-        fmt = {"float32": "fp32", "bfloat16": "bf16", "int8": "int8"}[specs[0].dtype]
-        args = (fmt, batch, shape.heads_v, shape.d_k, shape.d_v)
+        args = (parse_method(method).codec, batch, shape.heads_v, shape.d_k, shape.d_v)
         pools = [PerStepPool.allocate(*args, device=device) for _ in range(shape.linear_layers)]
         return [t for p in pools for t in (p.state, p.scale) if t is not None]
     return allocate_specs(specs, device)

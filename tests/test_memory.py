@@ -279,7 +279,7 @@ def test_state_bytes_are_the_library_accounting(key, method):
     per_head += cfg.record_buffer_bytes(128, 128, 1 if shape.decay == "scalar" else 128)
     assert plan.state_bytes == shape.linear_layers * shape.heads_v * per_head
     if plan.layout == "pool":
-        pool = PoolConfig.from_method(method, heads=shape.heads_v, decay=shape.decay)
+        pool = PoolConfig(parse_method(method), heads=shape.heads_v, decay=shape.decay)
         assert plan.state_bytes == shape.linear_layers * pool.bytes_per_slot()
 
 

@@ -19,6 +19,7 @@ from leapquant.integrations.vllm.adapter import (
     reference_prefill,
     run_linear_attention,
 )
+from leapquant.methods import parse_method
 from leapquant.ops.leapquant_decode import leapquant_decode, load_states, materialize_states
 from leapquant.ops.pool import LeapQuantPool
 
@@ -69,7 +70,8 @@ def run_scenario(family: str, method: str, backend: str, *, h=1, hv=2, d=32, see
     """STEPS through the adapter: per-request outputs, the pool, its pages and their copy from before.
     ``paged=False``: the same start on a contiguous copy of the pool (``pages`` is then that copy's)."""
     gen = torch.Generator().manual_seed(seed)
-    cfg = pool_config(method, heads=hv, d_k=d, d_v=d, decay="vector" if family == "kda" else "scalar")
+    decay = "vector" if family == "kda" else "scalar"
+    cfg = pool_config(parse_method(method), heads=hv, d_k=d, d_v=d, decay=decay)
     # whole 4 KiB pages, as vLLM's are whole attention pages: Triton specializes the slot shifts on
     # divisibility by 16, and the same specialization as a contiguous pool's keeps the kernels' bits equal
     page = -(-(CONV_BYTES + cfg.bytes_per_slot()) // 4096) * 4096
@@ -222,7 +224,7 @@ def test_kernels_on_pages_match_kernels_on_a_contiguous_pool(family, method):
 
 
 def test_pool_view_rejects_a_wrong_layout():
-    cfg = pool_config("leapquant-int8", heads=2, d_k=32, d_v=32, decay="scalar")
+    cfg = pool_config(parse_method("leapquant-int8"), heads=2, d_k=32, d_v=32, decay="scalar")
     gen = torch.Generator().manual_seed(0)
     _, pool = poisoned_pool(cfg, 4, CONV_BYTES + cfg.bytes_per_slot(), gen)
     tensors = list(pool.tensors.values())
@@ -231,13 +233,27 @@ def test_pool_view_rejects_a_wrong_layout():
     with pytest.raises(LeapQuantError, match=r"state payload is torch\.uint8"):
         pool_view(cfg, [tensors[0].view(torch.uint8), *tensors[1:]])
     with pytest.raises(LeapQuantError, match="has no pool layout"):
-        pool_config("fp32", heads=2, d_k=32, d_v=32, decay="scalar")
+        pool_config(parse_method("fp32"), heads=2, d_k=32, d_v=32, decay="scalar")
+
+
+def test_the_plugin_switch_parses_the_method_where_it_enters():
+    from types import SimpleNamespace
+
+    from leapquant.integrations.vllm import configured_method
+
+    def config(extra):
+        return SimpleNamespace(additional_config=extra)
+
+    assert configured_method(config({})) is None
+    assert configured_method(config({"leapquant_method": "leapquant-int8"})) == parse_method("leapquant-int8")
     with pytest.raises(LeapQuantError, match="is not a method"):
-        pool_config("leapqant-int8", heads=2, d_k=32, d_v=32, decay="scalar")
+        configured_method(config({"leapquant_method": "leapqant-int8"}))
+    with pytest.raises(LeapQuantError, match="must be a method name string"):
+        configured_method(config({"leapquant_method": 8}))
 
 
 def test_speculative_batches_are_refused():
-    cfg = pool_config("leapquant-int8", heads=2, d_k=32, d_v=32, decay="scalar")
+    cfg = pool_config(parse_method("leapquant-int8"), heads=2, d_k=32, d_v=32, decay="scalar")
     pool = LeapQuantPool.allocate(cfg, 2, device=DEVICE)
     batch = LinearAttentionBatch(0, 0, 0, 0, 2, torch.zeros(0, dtype=torch.int32), torch.zeros(1), None, 1)
     with pytest.raises(LeapQuantError, match="speculative"):

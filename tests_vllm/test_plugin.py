@@ -23,6 +23,7 @@ from leapquant.integrations.vllm.check import (
     planner_slot_bytes,
     run_engine,
 )
+from leapquant.methods import parse_method
 
 METHOD = "leapquant-int8"
 LOSSLESS = "fp32/w16+rec32"  # the plugin's whole path with an fp32 residual and records: the glue alone
@@ -57,7 +58,7 @@ def test_without_the_switch_vllm_keeps_its_own_state(model):
 
 def test_state_tensors_are_the_pool_layout(model):
     got = report(model, METHOD)
-    cfg = pool_config(METHOD, heads=4, d_k=128, d_v=128, decay="scalar")
+    cfg = pool_config(parse_method(METHOD), heads=4, d_k=128, d_v=128, decay="scalar")
     assert len(got["layers"]) == 3
     for layer in got["layers"]:
         assert layer["dtypes"][1:] == [str(d) for d in state_dtypes(cfg)]
@@ -107,7 +108,7 @@ def test_block_count_grows_as_the_planner_predicts(model):
 
 def test_tensor_parallel_shards_heads_and_keeps_the_gain(model):
     tp1, tp2 = report(model, METHOD), report(model, METHOD, tp=2)
-    cfg = pool_config(METHOD, heads=2, d_k=128, d_v=128, decay="scalar")
+    cfg = pool_config(parse_method(METHOD), heads=2, d_k=128, d_v=128, decay="scalar")
     assert len(tp2["layers"]) == 6  # 3 layers on each of 2 ranks
     assert all([tuple(s) for s in layer["shapes"][1:]] == list(state_shapes(cfg)) for layer in tp2["layers"])
     base2 = report(model, None, tp=2)

@@ -17,7 +17,8 @@ def config(extra):
 def test_the_switch_is_read_from_additional_config():
     assert plugin.configured_method(config({})) is None
     assert plugin.configured_method(config({"gdn_prefill_backend": "auto"})) is None
-    assert plugin.configured_method(config({"leapquant_method": "leapquant-int8"})) == "leapquant-int8"
+    method = plugin.configured_method(config({"leapquant_method": "leapquant-int8"}))
+    assert method.name == "int8/w16+ct4+smooth"
     with pytest.raises(LeapQuantError, match="must be a method name string"):
         plugin.configured_method(config({"leapquant_method": 8}))
 

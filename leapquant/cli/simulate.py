@@ -95,8 +95,9 @@ def _run(
     from ..eval.simulate import simulate
     from ..methods.config import parse_method
 
-    for m in methods:  # fail on a bad name before any work
-        parse_method(m)
+    if len(set(methods)) != len(methods):
+        raise LeapQuantError("simulate: a method is listed twice")
+    methods = {m: parse_method(m) for m in methods}  # a bad name fails here, before any work
     total = sum(t.records.steps for t in traces) * len(methods)
     progress = _progress(total, quiet)
     if backend == "triton" and not torch_cuda_available():

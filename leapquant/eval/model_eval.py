@@ -67,11 +67,16 @@ class EvalConfig:
 
         if not self.methods:
             raise LeapQuantError("eval: give at least one --method")
-        for m in (*self.methods, *self.generate):
-            parse_method(m)
+        # names become configs here, once; the run looks them up (config_of) by the name it reports under
+        configs = {m: parse_method(m) for m in ("fp32", *self.methods, *self.generate)}
+        object.__setattr__(self, "_configs", configs)
         for name in ("tokens", "prefill", "curve_points", "generate_tokens"):
             if getattr(self, name) < 1:
                 raise LeapQuantError(f"eval: {name} must be >= 1, got {getattr(self, name)}")
+
+    def config_of(self, name: str):
+        """The :class:`~leapquant.methods.MethodConfig` of a method this config names."""
+        return self._configs[name]
 
 
 def stdlib_text(min_bytes: int) -> tuple[str, list[str]]:
@@ -152,7 +157,6 @@ def evaluate_model(
     from transformers import DynamicCache
 
     from ..integrations import patch, unpatch
-    from ..methods import parse_method
 
     needed = config.prefill + config.tokens + 1
     # greedy prompts are spread over at least 4 prompt lengths each, whatever the teacher-forced length
@@ -164,7 +168,7 @@ def evaluate_model(
     ids = all_ids[:needed]
     rows = ("fp32", *config.methods)
     targets = ids.tolist()
-    patched = patch(model, rows, backend=config.backend)
+    patched = patch(model, [config.config_of(r) for r in rows], backend=config.backend)
     batch = ids[None].repeat(len(rows), 1)
     # accumulated on the device: no host sync per token, the CPU runs ahead of the GPU
     kl, nll, agree = (torch.zeros(len(rows), dtype=torch.float64, device=model.device) for _ in range(3))
@@ -180,7 +184,7 @@ def evaluate_model(
                 continue
             num = sum(float((st[i] - st[0]).norm() ** 2) for st in states.values())
             den = sum(float(st[0].norm() ** 2) for st in states.values())
-            cfg = parse_method(name)
+            cfg = config.config_of(name)
             methods[name] = {
                 "kl": float(kl[i] / n),
                 "top1_agreement": float(agree[i] / n),
@@ -264,7 +268,7 @@ def _greedy_against_fp32(model, ids, method: str, config: EvalConfig) -> dict:
     span = ids.numel() - config.prefill
     starts = [round(i * span / GREEDY_PROMPTS) for i in range(GREEDY_PROMPTS)]
     prompts = torch.stack([ids[s : s + config.prefill] for s in starts])
-    patch(model, ("fp32", method), backend=config.backend)
+    patch(model, (config.config_of("fp32"), config.config_of(method)), backend=config.backend)
     cache = DynamicCache(config=model.config)
     logits = model(prompts.repeat(2, 1), past_key_values=cache, use_cache=True).logits[:, -1]
     tokens = []

@@ -8,13 +8,13 @@ over all streams and traces: ``||X - X_ref||_F / ||X_ref||_F`` with the sums tak
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from ..errors import LeapQuantError
-from ..methods.config import MethodConfig, parse_method
+from ..methods.config import MethodConfig, as_method
 from ..methods.window import WindowedState
 from ..recurrences.records import exact_recurrence
 from ..traces.io import Trace
@@ -75,9 +75,6 @@ def replay(
     return outputs, saved, state.quantizations
 
 
-KERNEL_PER_STEP = ("fp32", "bf16", "int8")
-
-
 def _replay_kernels(
     config: MethodConfig, trace: Trace, checkpoints: Sequence[int], on_step: Callable[[int], None] | None
 ) -> tuple[torch.Tensor, dict[int, torch.Tensor], int]:
@@ -86,8 +83,8 @@ def _replay_kernels(
     Runs on the GPU when there is one, else on the CPU through the Triton interpreter (slow: small traces).
     """
     from ..ops.leapquant_decode import leapquant_step_records, load_states, materialize_states
-    from ..ops.per_step_decode import PerStepPool, per_step_records
-    from ..ops.pool import LeapQuantPool, PoolConfig
+    from ..ops.per_step_decode import PerStepPool, per_step_records, per_step_unsupported
+    from ..ops.pool import LeapQuantPool, PoolConfig, pool_unsupported
 
     rec = trace.records
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -95,22 +92,16 @@ def _replay_kernels(
     slots = torch.zeros(1, dtype=torch.int32, device=device)
     s0 = trace.initial_state
     per_step = config.window == 1
+    reason = per_step_unsupported(config) if per_step else pool_unsupported(config)
+    if reason is not None:
+        raise LeapQuantError(f"no Triton kernel for {config.name!r}: {reason}")
     if per_step:
-        if (
-            config.compensators
-            or config.smoothing
-            or config.codec not in KERNEL_PER_STEP
-            or config.stochastic
-        ):
-            raise LeapQuantError(
-                f"no Triton kernel for {config.name!r}: per-step kernels store {', '.join(KERNEL_PER_STEP)}"
-            )
         pool = PerStepPool.allocate(config.codec, 1, s, d_k, d_v, device)
         if s0 is not None:
             pool.load(slots, s0[None].float().to(device))
         step_fn, read_fn = per_step_records, lambda: pool.materialize(slots)[0]
     else:
-        pool = LeapQuantPool.allocate(PoolConfig.from_method(config.name, s, d_k, d_v, "vector"), 1, device)
+        pool = LeapQuantPool.allocate(PoolConfig(config, s, d_k, d_v, "vector"), 1, device)
         if s0 is not None:
             load_states(pool, slots, s0[None].float().to(device))
         step_fn, read_fn = leapquant_step_records, lambda: materialize_states(pool, slots)[0]
@@ -157,7 +148,7 @@ class _Pool:
 
 def simulate(
     traces: Sequence[Trace],
-    methods: Sequence[str],
+    methods: Sequence[str] | Mapping[str, MethodConfig],
     *,
     checkpoints: int = 32,
     seed: int = 0,
@@ -165,6 +156,9 @@ def simulate(
     backend: str = "reference",
 ) -> dict:
     """Replay ``traces`` through ``methods``; returns the JSON-ready report ``{"methods": {...}, ...}``.
+
+    ``methods``: method names, or ``{label: MethodConfig}`` when the caller has parsed them (the report is
+    keyed by the names or labels).
 
     ``backend="triton"`` runs the methods through the decode kernels instead of the float64 reference
     (the exact trajectory stays float64).
@@ -178,9 +172,13 @@ def simulate(
         raise LeapQuantError("simulate: no traces given")
     if not methods:
         raise LeapQuantError("simulate: no methods given")
-    if len(set(methods)) != len(methods):
-        raise LeapQuantError("simulate: a method is listed twice")
-    configs = {m: parse_method(m) for m in methods}
+    if isinstance(methods, Mapping):
+        configs = {m: as_method(c, f"simulate: method {m!r}") for m, c in methods.items()}
+    else:
+        if len(set(methods)) != len(methods):
+            raise LeapQuantError("simulate: a method is listed twice")
+        configs = {m: as_method(m, "simulate: method") for m in methods}
+    methods = list(configs)
     for trace in traces:
         trace.records.check_finite()
         s0 = trace.initial_state

@@ -26,11 +26,9 @@ from collections.abc import Callable
 import torch
 
 from ..errors import LeapQuantError
-from ..methods import MethodConfig, WindowedState, parse_method
+from ..methods import MethodConfig, WindowedState
 
 __all__ = ["DequantizedState", "KernelState", "NativeState", "ReferenceState", "make_state"]
-
-_PER_STEP_KERNEL_FORMATS = ("fp32", "bf16", "int8")
 
 
 class NativeState:
@@ -172,23 +170,21 @@ class ReferenceState:
 class KernelState:
     """A Triton-kernel pool, one slot per batch row (LeapQuant pool, or per-step pool for bf16/int8)."""
 
-    def __init__(self, method: str, decay: str) -> None:
+    def __init__(self, method: MethodConfig, decay: str) -> None:
         self.method = method
         self.decay = decay
         self.pool = None
         self.slots: torch.Tensor | None = None
 
     @staticmethod
-    def supports(method: str) -> bool:
-        from ..ops.pool import PoolConfig
+    def unsupported(method: MethodConfig) -> str | None:
+        """Why no kernel runs ``method`` (``None``: a per-step or a LeapQuant pool does)."""
+        from ..ops.per_step_decode import per_step_unsupported
+        from ..ops.pool import pool_unsupported
 
-        if method in _PER_STEP_KERNEL_FORMATS:
-            return True
-        try:
-            PoolConfig.from_method(method, heads=1)
-        except LeapQuantError:
-            return False
-        return True
+        if method.window == 1:
+            return per_step_unsupported(method)
+        return pool_unsupported(method)
 
     def load(self, state: torch.Tensor) -> None:
         from ..ops.leapquant_decode import load_states
@@ -197,11 +193,11 @@ class KernelState:
 
         b, hv, d_k, d_v = state.shape
         self.slots = torch.arange(b, dtype=torch.int32, device=state.device)
-        if self.method in _PER_STEP_KERNEL_FORMATS:
-            self.pool = PerStepPool.allocate(self.method, b, hv, d_k, d_v, device=state.device)
+        if self.method.window == 1:
+            self.pool = PerStepPool.allocate(self.method.codec, b, hv, d_k, d_v, device=state.device)
             self.pool.load(self.slots, state.float())
         else:
-            cfg = PoolConfig.from_method(self.method, heads=hv, d_k=d_k, d_v=d_v, decay=self.decay)
+            cfg = PoolConfig(self.method, heads=hv, d_k=d_k, d_v=d_v, decay=self.decay)
             self.pool = LeapQuantPool.allocate(cfg, b, device=state.device)
             load_states(self.pool, self.slots, state.float())
 
@@ -239,29 +235,28 @@ class KernelState:
         self.slots = torch.arange(rows.numel(), dtype=torch.int32, device=self.slots.device)
 
 
-def make_state(method: str, *, backend: str, device: torch.device, decay: str, recurrent_fn: Callable):
-    """The state object for ``method`` on ``device``.
+def make_state(
+    config: MethodConfig, *, backend: str, device: torch.device, decay: str, recurrent_fn: Callable
+):
+    """The state object for method ``config`` on ``device``.
 
     ``backend``: ``"auto"`` (kernels on CUDA when the method has one; per-step methods as the model's own
     step plus the format's round trip; the reference otherwise),
     ``"reference"``, ``"triton"`` (error if the method has no kernel) or ``"reference64"`` (float64).
     """
-    config = parse_method(method)
-    if method == "fp32":
+    if config.name == "fp32":
         return NativeState(recurrent_fn)
     if backend == "auto":
-        if device.type == "cuda" and KernelState.supports(method):
-            return KernelState(method, decay)
+        if device.type == "cuda" and KernelState.unsupported(config) is None:
+            return KernelState(config, decay)
         if config.window == 1 and not config.compensators:
             return DequantizedState(config, recurrent_fn)
         backend = "reference"
     if backend == "triton":
-        if not KernelState.supports(method):
-            raise LeapQuantError(
-                f"backend 'triton': no kernel for method {method!r} (kernels run fp32/bf16/int8 per step "
-                "and CODEC/wP[+ctR][+smooth] with CODEC in int8, int4, fp8-e4m3, bf16, fp32)"
-            )
-        return KernelState(method, decay)
+        reason = KernelState.unsupported(config)
+        if reason is not None:
+            raise LeapQuantError(f"backend 'triton': no kernel for method {config.name!r}: {reason}")
+        return KernelState(config, decay)
     if backend in ("reference", "reference64"):
         return ReferenceState(config, dtype=torch.float64 if backend == "reference64" else torch.float32)
     raise LeapQuantError(f"unknown backend {backend!r}; expected auto, reference, reference64 or triton")

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import LeapQuantError
-from ..methods import parse_method
+from ..methods import MethodConfig, as_method
 from .backends import make_state
 
 __all__ = ["SUPPORTED_LAYERS", "LeapQuantPatch", "linear_attention_layers", "patch", "unpatch"]
@@ -130,7 +130,7 @@ class _RowGroups:
         if b % groups:
             raise LeapQuantError(
                 f"a batch of {b} rows cannot be split evenly over {groups} methods "
-                f"({', '.join(patched.methods)})"
+                f"({', '.join(m.name for m in patched.methods)})"
             )
         self.size = b // groups
         self.states = []
@@ -247,12 +247,12 @@ class LeapQuantPatch:
     """What :func:`patch` did to a model; :meth:`unpatch` undoes it.
 
     Attributes:
-        methods: the method of each group of batch rows (one name unless a sequence was given).
+        methods: the method of each group of batch rows (one unless a sequence was given).
         backend: ``auto``, ``reference``, ``reference64`` or ``triton``.
         layers: the patched layer indices.
     """
 
-    def __init__(self, model: torch.nn.Module, methods: tuple[str, ...], backend: str) -> None:
+    def __init__(self, model: torch.nn.Module, methods: tuple[MethodConfig, ...], backend: str) -> None:
         self.model = model
         self.methods = methods
         self.backend = backend
@@ -293,7 +293,10 @@ class LeapQuantPatch:
 
 
 def patch(
-    model: torch.nn.Module, method: str | Sequence[str] = "leapquant-int8", *, backend: str = "auto"
+    model: torch.nn.Module,
+    method: str | MethodConfig | Sequence[str | MethodConfig] = "leapquant-int8",
+    *,
+    backend: str = "auto",
 ) -> LeapQuantPatch:
     """Route every linear-attention layer's decode state of ``model`` through ``method``.
 
@@ -301,8 +304,8 @@ def patch(
         model: a loaded transformers model with Gated DeltaNet or KDA layers (``Qwen3_5ForCausalLM``,
             ``Qwen3_5ForConditionalGeneration``, ``Qwen3_5MoeForCausalLM``, ``Qwen3NextForCausalLM``,
             ``KimiLinearForCausalLM``).
-        method: a method name (``leapquant methods`` lists them) or a sequence of names, one per equal group
-            of batch rows.
+        method: a method name (``leapquant methods`` lists them) or :class:`MethodConfig`, or a sequence of
+            them, one per equal group of batch rows.
         backend: ``"auto"`` (Triton kernels on CUDA where the method has one, else the reference),
             ``"reference"`` (float32), ``"reference64"`` (float64) or ``"triton"``.
 
@@ -310,11 +313,18 @@ def patch(
         A :class:`LeapQuantPatch`; call ``.unpatch()`` to restore the model. Patching a patched model
         replaces the previous patch.
     """
-    methods = (method,) if isinstance(method, str) else tuple(method)
+    if isinstance(method, (str, MethodConfig)):
+        method = (method,)
+    elif not isinstance(method, Sequence):
+        as_method(method, "patch: method")  # raises, naming what it got
+    # names become configs here, once: an unknown name fails before the model is touched
+    methods = tuple(as_method(m, "patch: method") for m in method)
     if not methods:
         raise LeapQuantError("patch: no method given")
-    for name in methods:
-        parse_method(name)  # unknown names fail here, before the model is touched
+    if not isinstance(model, torch.nn.Module):
+        raise LeapQuantError(
+            f"patch: model must be a loaded transformers model (torch.nn.Module), got {type(model).__name__}"
+        )
     if backend not in ("auto", "reference", "reference64", "triton"):
         raise LeapQuantError(f"unknown backend {backend!r}; expected auto, reference, reference64 or triton")
     if not linear_attention_layers(model):

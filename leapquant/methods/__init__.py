@@ -5,7 +5,15 @@ of heads (the float64/float32 reference every kernel is tested against).
 """
 
 from .compensators import fit_compensators, orthonormalize, start_vectors
-from .config import ALIASES, BASELINE_METHODS, MethodConfig, method_names, parse_method, resolve_codec
+from .config import (
+    ALIASES,
+    BASELINE_METHODS,
+    MethodConfig,
+    as_method,
+    method_names,
+    parse_method,
+    resolve_codec,
+)
 from .smoothing import SMOOTHING_FLOOR, smoothing_scales
 from .window import WindowedState
 
@@ -15,6 +23,7 @@ __all__ = [
     "SMOOTHING_FLOOR",
     "MethodConfig",
     "WindowedState",
+    "as_method",
     "fit_compensators",
     "method_names",
     "orthonormalize",

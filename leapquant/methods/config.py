@@ -24,7 +24,15 @@ from functools import cached_property
 from ..errors import LeapQuantError
 from ..formats.base import StateFormat
 
-__all__ = ["ALIASES", "BASELINE_METHODS", "MethodConfig", "method_names", "parse_method", "resolve_codec"]
+__all__ = [
+    "ALIASES",
+    "BASELINE_METHODS",
+    "MethodConfig",
+    "as_method",
+    "method_names",
+    "parse_method",
+    "resolve_codec",
+]
 
 ALIASES = {
     "leapquant-int8": "int8/w16+ct4+smooth",
@@ -214,6 +222,20 @@ def parse_method(name: str) -> MethodConfig:
     if ("fit" in fields or "power_iters" in fields) and not fields.get("compensators"):
         raise LeapQuantError(f"method {name!r}: +svd and +itN need compensator tokens (+ctR)")
     return MethodConfig(**fields)
+
+
+def as_method(method: str | MethodConfig, what: str = "method") -> MethodConfig:
+    """A :class:`MethodConfig` from what a public entry point was given: a name (parsed here, the one place
+    names become configs) or a config (returned as is).  Anything else raises a :class:`LeapQuantError`
+    naming ``what``."""
+    if isinstance(method, MethodConfig):
+        return method
+    if isinstance(method, str):
+        return parse_method(method)
+    raise LeapQuantError(
+        f"{what} must be a method name such as 'leapquant-int8' (`leapquant methods`) or a MethodConfig, "
+        f"got {type(method).__name__}"
+    )
 
 
 def method_names() -> list[tuple[str, str]]:

@@ -26,9 +26,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 from ..errors import LeapQuantError
 from .models import HybridShape
+
+if TYPE_CHECKING:  # the method grammar imports torch: the planner loads it on first use
+    from ..methods.config import MethodConfig
 
 __all__ = ["DTYPE_BYTES", "BufferSpec", "MemoryPlan", "buffer_plan", "plan_memory", "state_layout"]
 
@@ -44,7 +48,6 @@ DTYPE_BYTES = {
 }
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "float8_e4m3fn"}
 BOUNDARY = ("payload", "scale", "smooth", "comp_k", "comp_u")  # PoolConfig tensors a checkpoint keeps
-PER_STEP_POOLS = ("fp32", "bf16", "int8")  # formats of leapquant.ops.per_step_decode.PerStepPool
 DEFAULT_RESERVE_FRACTION = 0.1
 
 
@@ -81,7 +84,9 @@ def _dtype(name: str, what: str) -> str:
     return d
 
 
-def state_layout(shape: HybridShape, method: str, slots: int) -> tuple[str, list[tuple[str, tuple, str]]]:
+def state_layout(
+    shape: HybridShape, method: str | MethodConfig, slots: int
+) -> tuple[str, list[tuple[str, tuple, str]]]:
     """How one linear-attention layer stores ``slots`` states: ``(kind, [(name, shape, dtype), ...])``.
 
     ``kind`` is ``pool`` (a LeapQuant kernel pool), ``per-step`` (the per-step fp32/bf16/int8 pool) or
@@ -89,22 +94,23 @@ def state_layout(shape: HybridShape, method: str, slots: int) -> tuple[str, list
     and record bytes from :class:`MethodConfig`, as uint8).  Raises
     :class:`LeapQuantError` for a name the method grammar rejects.
     """
-    from ..methods.config import parse_method
-    from ..ops.pool import PoolConfig
+    from ..formats.residual import RESIDUAL_FORMATS
+    from ..methods.config import as_method
+    from ..ops.per_step_decode import per_step_unsupported
+    from ..ops.pool import PoolConfig, pool_unsupported
 
-    cfg = parse_method(method)
+    cfg = as_method(method)
     hv, k, v = shape.heads_v, shape.d_k, shape.d_v
-    try:
-        pool = PoolConfig.from_method(method, heads=hv, d_k=k, d_v=v, decay=shape.decay)
-    except LeapQuantError:
-        pool = None
+    pool = None
+    if cfg.window > 1 and pool_unsupported(cfg) is None:
+        pool = PoolConfig(cfg, heads=hv, d_k=k, d_v=v, decay=shape.decay)
     if pool is not None and pool.packed:
         specs = [(n, s, str(dt).removeprefix("torch.")) for n, (s, dt) in pool.shapes(slots).items()]
         kind = "pool"
-    elif cfg.window == 1 and cfg.codec in PER_STEP_POOLS and not cfg.compensators and not cfg.smoothing:
-        dtype = {"fp32": "float32", "bf16": "bfloat16", "int8": "int8"}[cfg.codec]
-        specs = [("state", (slots, hv, v, k), dtype)]
-        if cfg.codec == "int8":
+    elif cfg.window == 1 and per_step_unsupported(cfg) is None:
+        fmt = RESIDUAL_FORMATS[cfg.codec]
+        specs = [("state", (slots, hv, v, k), str(fmt.payload_dtype).removeprefix("torch."))]
+        if fmt.scaled:
             specs.append(("scale", (slots, hv, v), "float32"))
         kind = "per-step"
     else:
@@ -114,7 +120,7 @@ def state_layout(shape: HybridShape, method: str, slots: int) -> tuple[str, list
         if records:
             specs.append(("records", (slots, hv, records), "uint8"))
         kind = "bytes"
-    _check_accounting(shape, method, cfg, specs, slots)
+    _check_accounting(shape, cfg.name, cfg, specs, slots)
     return kind, specs
 
 
@@ -132,7 +138,7 @@ def _check_accounting(shape, method, cfg, specs, slots) -> None:
 
 def buffer_plan(
     shape: HybridShape,
-    method: str,
+    method: str | MethodConfig,
     *,
     batch: int,
     context: int,
@@ -143,6 +149,9 @@ def buffer_plan(
     weights: bool = True,
 ) -> list[BufferSpec]:
     """Every buffer of ``batch`` requests at ``context`` tokens: weights, state, conv, KV, checkpoints."""
+    from ..methods.config import as_method
+
+    method = as_method(method)
     for name, value in (("batch", batch), ("context", context)):
         if value < 1:
             raise LeapQuantError(f"{name} must be >= 1, got {value}")
@@ -232,7 +241,7 @@ class MemoryPlan:
 
 def plan_memory(
     shape: HybridShape,
-    method: str,
+    method: str | MethodConfig,
     *,
     context: int,
     gpu_memory_gib: float,
@@ -241,8 +250,9 @@ def plan_memory(
     kv_dtype: str = "bf16",
     weight_dtype: str = "bf16",
 ) -> MemoryPlan:
-    """The :class:`MemoryPlan` of ``method`` on ``shape`` (see the module docstring for what is counted)."""
-    from ..methods.config import parse_method
+    """The :class:`MemoryPlan` of ``method`` (a name or a :class:`MethodConfig`) on ``shape`` (see the module
+    docstring for what is counted)."""
+    from ..methods.config import as_method
 
     if not gpu_memory_gib > 0:
         raise LeapQuantError(f"gpu memory must be > 0 GiB, got {gpu_memory_gib}")
@@ -250,9 +260,10 @@ def plan_memory(
         reserve_gib = DEFAULT_RESERVE_FRACTION * gpu_memory_gib
     if not 0 <= reserve_gib < gpu_memory_gib:
         raise LeapQuantError(f"reserve must be in [0, gpu memory) GiB, got {reserve_gib}")
-    cfg = parse_method(method)
+    name = method if isinstance(method, str) else method.name
+    cfg = as_method(method)
     buffers = buffer_plan(
-        shape, method, batch=1, context=context, prefix_interval=prefix_interval,
+        shape, cfg, batch=1, context=context, prefix_interval=prefix_interval,
         kv_dtype=kv_dtype, weight_dtype=weight_dtype,
     )  # fmt: skip
     groups: dict[str, int] = {}
@@ -262,9 +273,9 @@ def plan_memory(
     ckpt_total = groups.get("checkpoint_state", 0) + groups.get("checkpoint_conv", 0)
     return MemoryPlan(
         model=shape.name,
-        method=method,
+        method=name,
         config=cfg.name,
-        layout=state_layout(shape, method, 1)[0],
+        layout=state_layout(shape, cfg, 1)[0],
         bytes_per_element=cfg.bytes_per_element(shape.d_k, shape.d_v),
         context=context,
         prefix_interval=prefix_interval,
@@ -273,7 +284,7 @@ def plan_memory(
         state_breakdown={b.name: b.nbytes for b in buffers if b.group == "state"},
         conv_bytes=groups["conv"],
         kv_bytes=groups.get("kv", 0),
-        checkpoint_bytes=ckpt_total // n_ckpt if n_ckpt else _checkpoint_bytes(shape, method, kv_dtype),
+        checkpoint_bytes=ckpt_total // n_ckpt if n_ckpt else _checkpoint_bytes(shape, cfg, kv_dtype),
         weights_bytes=groups["weights"],
         gpu_bytes=int(gpu_memory_gib * GIB),
         reserve_bytes=int(reserve_gib * GIB),
@@ -286,7 +297,7 @@ def plan_memory(
     )
 
 
-def _checkpoint_bytes(shape: HybridShape, method: str, kv_dtype: str) -> int:
+def _checkpoint_bytes(shape: HybridShape, method: MethodConfig, kv_dtype: str) -> int:
     """One checkpoint's bytes when the request holds none (context shorter than the interval, or none)."""
     bufs = buffer_plan(shape, method, batch=1, context=1, prefix_interval=1, kv_dtype=kv_dtype, weights=False)
     return sum(b.nbytes for b in bufs if b.group.startswith("checkpoint"))

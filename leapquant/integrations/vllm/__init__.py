@@ -24,15 +24,23 @@ CONFIG_KEY = "leapquant_method"
 ARCHITECTURE = "Qwen3NextForCausalLM"
 
 
-def configured_method(vllm_config) -> str | None:
-    """The method named by ``vllm_config.additional_config["leapquant_method"]``, or None when unset."""
+def configured_method(vllm_config):
+    """The :class:`~leapquant.methods.MethodConfig` named by ``vllm_config.additional_config
+    ["leapquant_method"]`` (parsed here, where the name enters), or None when unset."""
     extra = getattr(vllm_config, "additional_config", None)
     method = extra.get(CONFIG_KEY) if isinstance(extra, dict) else None
     if method is None:
         return None
     if not isinstance(method, str):
         raise LeapQuantError(f"{CONFIG_KEY} must be a method name string, got {method!r}")
-    return method
+    from ...methods import parse_method
+
+    try:
+        return parse_method(method)
+    except LeapQuantError as err:
+        raise LeapQuantError(
+            f"{CONFIG_KEY} {method!r} is not a method (`leapquant methods`): {err}"
+        ) from None
 
 
 _registered = False
@@ -68,7 +76,7 @@ def _refuse_other_layers(get_kv_cache_spec):
         method = configured_method(vllm_config)
         if method is not None and getattr(self, "leapquant", None) is None:
             raise LeapQuantError(
-                f"{CONFIG_KEY}={method!r}: {type(self).__name__} layers have no LeapQuant state in vLLM "
+                f"{CONFIG_KEY}={method.name!r}: {type(self).__name__} layers have no LeapQuant state in vLLM "
                 f"(the plugin covers the GDN layers of {ARCHITECTURE}); remove the switch for this model"
             )
         return get_kv_cache_spec(self, vllm_config)

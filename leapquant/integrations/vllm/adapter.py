@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from ...errors import LeapQuantError
-from ...ops.pool import LeapQuantPool, PoolConfig
+from ...methods.config import MethodConfig
+from ...ops.pool import LeapQuantPool, PoolConfig, pool_unsupported
 
 __all__ = [
     "LinearAttentionBatch",
@@ -45,21 +46,13 @@ __all__ = [
 PrefillFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
-def pool_config(method: str, *, heads: int, d_k: int, d_v: int, decay: str) -> PoolConfig:
+def pool_config(method: MethodConfig, *, heads: int, d_k: int, d_v: int, decay: str) -> PoolConfig:
     """The pool layout of ``method`` for one layer's ``heads`` local value heads (after tensor-parallel
     sharding). Raises :class:`LeapQuantError` naming the method if it has no pool layout."""
-    from ...methods import parse_method
-
-    try:
-        parse_method(method)
-    except LeapQuantError as err:
-        raise LeapQuantError(
-            f"leapquant_method {method!r} is not a method (`leapquant methods`): {err}"
-        ) from None
-    try:
-        return PoolConfig.from_method(method, heads=heads, d_k=d_k, d_v=d_v, decay=decay)
-    except LeapQuantError as err:
-        raise LeapQuantError(f"leapquant_method {method!r} has no pool layout: {err}") from None
+    reason = pool_unsupported(method)
+    if reason is not None:
+        raise LeapQuantError(f"leapquant_method {method.name!r} has no pool layout: {reason}")
+    return PoolConfig(method, heads=heads, d_k=d_k, d_v=d_v, decay=decay)
 
 
 def state_names(config: PoolConfig) -> tuple[str, ...]:
