@@ -15,7 +15,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max
 start=$(date +%s)
 timeout "${BENCH_SECONDS:-450}" python3 -m leapquant bench decode --model "${MODELS:-both}" \
   --batch ${BATCHES:-64 128 256 512} --context ${CONTEXTS:-1024 2048 4096 8192} --grid "${GRID:-star}" \
-  --main-context "${MAIN_CONTEXT:-4096}" --backends ${BACKENDS:-fp32 bf16 leapquant-int8} ${PROFILE---profile} \
+  --main-context "${MAIN_CONTEXT:-4096}" --backends ${BACKENDS:-fp32:fla bf16 leapquant-int8} ${PROFILE---profile} \
   --json "$out/decode.json" --markdown "$out/decode.md" --plot "$out/decode.png" 2>&1 | tee "$out/decode.log"
 status=${PIPESTATUS[0]}
 echo "bench decode: exit $status after $(( $(date +%s) - start )) s" | tee -a "$out/decode.log"

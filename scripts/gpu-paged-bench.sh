@@ -10,5 +10,5 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
 timeout "${BENCH_SECONDS:-420}" python3 -m leapquant bench kernel --family gdn,kda --n "${SIZES:-512,1024}" \
-  -v fla-fp32 -v leapquant-int8:triton-close -v leapquant-int8:paged -v leapquant-int8:step \
+  -v fp32:fla -v leapquant-int8:triton-close -v leapquant-int8:paged -v leapquant-int8:step \
   -v leapquant-int8:paged:step --json "$out/paged.json" --markdown "$out/paged.md" 2>&1 | tee "$out/paged.log" | tail -30

@@ -130,8 +130,8 @@ def _add_decode_parser(bsub: argparse._SubParsersAction) -> None:
     )
     d.add_argument(
         "--model", default="both",
-        help="a model preset the step can build (qwen3.5-9b, kimi-linear-48b-a3b; the names `leapquant memory` "
-        "takes) or both (default)",
+        help="a model preset the step can build (qwen3.5-9b, kimi-linear-48b-a3b: the names `leapquant "
+        "memory` takes) or both (default)",
     )  # fmt: skip
     d.add_argument(
         "--batch", nargs="+", type=_int_list, default=None, help="batch sizes (default 64 128 256 512)"
