@@ -63,8 +63,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "--cuda-core-step", action="store_true", help="launch: the CUDA-core step even for integer residuals"
     )
     k.add_argument(
-        "--no-overlap-close", action="store_true", help="launch: step, then close (no side stream)"
-    )
+        "--overlap-close", choices=("auto", "on", "off"), default="auto",
+        help="launch: closing heads step and close on a side stream beside the others (on), step then "
+        "close (off), or the default for the close in use (auto: on for the Triton close only)",
+    )  # fmt: skip
     k.add_argument(
         "--close-impl", choices=("auto", "cuda", "triton"), default=None,
         help="launch: the window close (CUDA where it applies by default; a variant's :triton-close or "
@@ -112,11 +114,59 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     k.add_argument("--plot", metavar="OUT.png", help="plot speedup over FLA FP32 against batch size")
     k.set_defaults(run=run_kernel)
     _add_decode_parser(bsub)
+    _add_generate_parser(bsub)
     r = bsub.add_parser("report", help="Markdown tables (and optionally the plot) from a bench kernel JSON")
     r.add_argument("json_path", metavar="KERNEL.json")
     r.add_argument("--n", type=int, default=512, help="batch size of the per-variant table (default 512)")
     r.add_argument("--plot", metavar="OUT.png", help="also redraw the speedup plot")
     r.set_defaults(run=run_report)
+
+
+def _add_generate_parser(bsub: argparse._SubParsersAction) -> None:
+    g = bsub.add_parser(
+        "generate",
+        help="decode tokens/s of transformers generate() on a checkpoint: FP32 state vs patched methods",
+        description="Greedy generate() from --batch prompts of a local transformers checkpoint, each method "
+        "in the same run (fp32: the model's own state, unpatched); decode tokens/s with the prefill's time "
+        "subtracted, median of --repeats after a warm-up (GPU).",
+    )
+    g.add_argument("--model", required=True, help="a local transformers folder (e.g. a shipped checkpoint)")
+    g.add_argument(
+        "-m", "--method", action="append", dest="methods",
+        help="a method to time beside fp32 (repeatable; default leapquant-int8)",
+    )  # fmt: skip
+    g.add_argument("--batch", type=int, default=64, help="prompts decoded together (default 64)")
+    g.add_argument("--prompt-tokens", type=int, default=64, help="tokens per prompt (default 64)")
+    g.add_argument("--new-tokens", type=int, default=256, help="tokens generated per prompt (default 256)")
+    g.add_argument("--repeats", type=int, default=3, help="timed runs per method, median (default 3)")
+    g.add_argument("--json", metavar="OUT", help="write the rows and provenance as JSON")
+    g.set_defaults(run=run_generate)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from ..bench.generate import GenerateCase, bench_generate
+    from ..eval.provenance import provenance
+    from ..methods import parse_method
+    from .simulate import console
+
+    methods = ["fp32", *dict.fromkeys(m for m in args.methods or ["leapquant-int8"] if m != "fp32")]
+    for m in methods:
+        parse_method(m)  # an unknown name fails before the model loads
+    case = GenerateCase(batch=args.batch, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
+                        repeats=args.repeats)  # fmt: skip
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    rows = bench_generate(args.model, methods, case)
+    con = console()
+    for r in rows:
+        con.print(
+            f"{Path(args.model).name} B={r['batch']} {r['method']:<18} {r['tokens_per_s']:9.0f} tok/s "
+            f"({r['decode_s'] * 1e3:.0f} ms for {r['new_tokens'] - 1} steps)  {r['vs_fp32']:.2f}x fp32"
+        )
+    if args.json:
+        report = {"rows": rows, "model": str(args.model), "provenance": provenance(cuda=True)}
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return 0
 
 
 def _add_decode_parser(bsub: argparse._SubParsersAction) -> None:
@@ -268,7 +318,7 @@ def run_kernel(args: argparse.Namespace) -> int:
         "step_tc_stages": args.step_tc_stages,
         "step_tc_maxnreg": args.step_tc_maxnreg,
         "step_mma": False if args.cuda_core_step else None,
-        "overlap_close": False if args.no_overlap_close else None,
+        "overlap_close": {"on": True, "off": False}.get(args.overlap_close),
         "close_impl": args.close_impl,
         "close_cuda_blocks_per_sm": args.close_cuda_blocks,
         "close_bv": args.close_bv,

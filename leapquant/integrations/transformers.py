@@ -133,6 +133,7 @@ class _RowGroups:
                 f"({', '.join(m.name for m in patched.methods)})"
             )
         self.size = b // groups
+        self.handle_seen: torch.Tensor | None = None  # the cache tensor whose rows were last read
         self.states = []
         for i, method in enumerate(patched.methods):
             st = make_state(
@@ -230,11 +231,18 @@ class _PatchedLayer:
             recurrent = sys.modules[type(self.module).__module__].__dict__[self.kind.recurrent_fn].__wrapped__
             store[self.layer_idx] = _RowGroups(self.patched, self.kind, recurrent, final.float())
             return out, _row_handle(query.shape[0], query.device)
-        rows = initial_state.reshape(initial_state.shape[0], -1)[:, 0].round().long()
-        if rows.numel() != groups.size * len(groups.states) or not torch.equal(
-            rows, torch.arange(rows.numel(), device=rows.device)
-        ):
-            groups.select_rows(rows)
+        if initial_state is not groups.handle_seen:
+            # A cache tensor we have not read yet: the first decode step, or a cache that replaced its
+            # tensor (reorder_cache's index_select for beam search, offload/prefetch). Its rows say which of
+            # our rows each batch row now is. Reading them synchronizes with the GPU, so it is done only
+            # here: transformers copies our handle into the same tensor at every step (a static address for
+            # CUDA graphs), which then holds 0..B-1 again.
+            rows = initial_state.reshape(initial_state.shape[0], -1)[:, 0].round().long()
+            if rows.numel() != groups.size * len(groups.states) or not torch.equal(
+                rows, torch.arange(rows.numel(), device=rows.device)
+            ):
+                groups.select_rows(rows)
+            groups.handle_seen = initial_state
         outs = [
             groups.step(query[:, t], key[:, t], value[:, t], g[:, t], beta[:, t], use_qk_l2norm_in_kernel)
             for t in range(query.shape[1])
