@@ -1,4 +1,4 @@
-"""The roofline model of a ``bench decode`` step (CPU only): bytes and FLOPs by hand, ceilings."""
+"""The roofline model of a ``bench decode`` step (CPU only): bytes and FLOPs by hand, ceilings, the CLI."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from leapquant.bench.roofline import (
     step_roofline,
 )
 from leapquant.bench.variants import parse_variant
+from leapquant.cli.main import main
 from leapquant.errors import LeapQuantError
 
 FLA, LQ = parse_variant("fp32:fla"), parse_variant("leapquant-int8")
@@ -103,3 +104,37 @@ def test_bad_inputs_are_one_line_errors():
         step_kernels(TINY, B, CTX, FLA, moe="dense")
     with pytest.raises(LeapQuantError, match=r"expected a bench\.variants\.Variant"):
         step_kernels(TINY, B, CTX, "fp32:fla")
+
+
+def test_cli_roofline_only_prints_the_table_on_the_cpu(tmp_path, capsys):
+    import json
+
+    out = tmp_path / "roof.json"
+    args = "bench decode --roofline-only --model qwen3.5-9b --batch 512 --context 1024,4096 --grid cross "
+    args += f"--backends fp32:fla leapquant-int8 --json {out} --markdown {tmp_path / 'roof.md'}"
+    assert main(args.split()) == 0
+    text = capsys.readouterr().out
+    assert text.count("| kernel class | bound | GFLOP |") == 2 and "| state | memory |" in text
+    assert "copy 4240 GB/s, bf16 GEMM 790 TFLOP/s" in text and "Ceiling of `leapquant-int8`" in text
+    report = json.loads(out.read_text())
+    assert [(c["batch"], c["context"]) for c in report["configs"]] == [(512, 1024), (512, 4096)]
+    ceil = {c["context"]: c["rows"][1]["ceiling_vs_fp32"] for c in report["configs"]}
+    assert ceil[1024] > ceil[4096] > 1.0
+    assert "| lm-head | compute |" in (tmp_path / "roof.md").read_text()
+    args = "bench decode --roofline-only --model kimi-linear-48b --batch 64 --context 1024 --backends bf16 "
+    assert main([*args.split(), "--copy-gbps", "3350", "--gemm-tflops", "700"]) == 0
+    assert "copy 3350 GB/s, bf16 GEMM 700 TFLOP/s" in capsys.readouterr().out
+
+
+def test_cli_roofline_only_rejects_bad_input(capsys):
+    cases = [
+        ("--roofline-only --copy-gbps -1", "copy bandwidth must be a positive number of GB/s, got -1.0"),
+        ("--roofline-only --gemm-tflops 0", "GEMM throughput must be a positive number of TFLOP/s"),
+        ("--roofline-only --model qwen3.5-9 --batch 8", "did you mean 'qwen3.5-9b'"),
+        ("--tiny --copy-gbps 4000", "--copy-gbps apply to --roofline-only"),
+        ("--roofline-only --plot x.png", "--plot needs timings"),
+    ]
+    for args, message in cases:
+        assert main(["bench", "decode", *args.split()]) == 2, args
+        err = capsys.readouterr().err.strip()
+        assert message in err and "\n" not in err, err
