@@ -42,7 +42,16 @@ from ..errors import LeapQuantError
 from ..plan.models import HybridShape, periodic_layer_types
 from ..plan.presets import PRESETS, resolve_preset
 
-__all__ = ["MODELS", "DecodeModel", "ModelSpec", "build_weights", "kv_cache_bytes", "kv_shapes", "model_spec"]
+__all__ = [
+    "MODELS",
+    "DecodeModel",
+    "ModelSpec",
+    "build_weights",
+    "expert_capacity",
+    "kv_cache_bytes",
+    "kv_shapes",
+    "model_spec",
+]
 
 
 @dataclass(frozen=True)
@@ -279,6 +288,13 @@ def kv_cache_bytes(spec: ModelSpec, batch: int, context: int) -> int:
     return 2 * spec.layer_types.count("full") * per_layer
 
 
+def expert_capacity(spec: ModelSpec, batch: int) -> int:
+    """Rows per expert of the padded MoE: twice the mean load ``2 B k / E``, rounded up to 16, at most
+    ``B k`` (pairs past it are dropped)."""
+    pairs = batch * max(spec.top_k, 1)
+    return min(pairs, 16 * math.ceil(2 * pairs / max(spec.experts, 1) / 16))
+
+
 class DecodeModel:
     """Weights, caches and static inputs for one decode step of ``batch`` sequences at ``context`` tokens.
 
@@ -297,9 +313,7 @@ class DecodeModel:
         self.moe, self.skip = moe, set()
         self.backend = None  # a bench.state_backends.StateBackend
         self.record_state_inputs: list | None = None  # set to [] to record each state call's inputs
-        pairs = batch * max(spec.top_k, 1)
-        cap = moe_capacity or min(pairs, 16 * math.ceil(2 * pairs / max(spec.experts, 1) / 16))
-        self.moe_capacity = cap
+        self.moe_capacity = moe_capacity or expert_capacity(spec, batch)
         gen = torch.Generator(device=self.device).manual_seed(seed + 1)
         bf = torch.bfloat16
         self.tokens = torch.randint(0, spec.vocab, (batch,), generator=gen, device=self.device)

@@ -9,11 +9,15 @@ For each model and (batch, context) configuration it times, each as the median o
   without the MLP/MoE;
 * the state kernels alone, in a graph of their own over the inputs of one step (``state_ms_isolated``);
 * with ``profile``: one ``torch.profiler`` trace of a graph replay per backend, kernel time split by name
-  into state / attention / GEMM / other and the idle time between kernels (launch gaps), and an ideal step
-  time (roofline): per component the larger of bytes over the measured copy bandwidth and FLOPs over the
-  measured bf16 GEMM throughput.
+  into state / attention / GEMM / other and the idle time between kernels (launch gaps).
 
-Without CUDA (``tiny`` models only) the same code runs eagerly on the CPU; those timings are not meaningful.
+Every row carries its roofline (:mod:`.roofline`: the ideal step from bytes and FLOPs per kernel, on the copy
+bandwidth and bf16 GEMM throughput measured at the start of the run) and the ceiling of its speedup over
+``fp32:fla``, printed beside the measured speedup with the fraction reached.  ``roofline_only`` prints the
+model's breakdown per configuration instead, on the CPU, for a given machine (nothing is timed).
+
+Without CUDA (``tiny`` models only) the same code runs eagerly on the CPU; those timings are not meaningful,
+and the ceilings assume the H200's roofs.
 """
 
 from __future__ import annotations
@@ -29,10 +33,11 @@ import torch
 
 from ..errors import LeapQuantError
 from .decode import MODELS, DecodeModel, build_weights, kv_cache_bytes, model_spec
+from .roofline import Machine, roofline_markdown, step_roofline
 from .state_backends import make_backend
-from .variants import Variant
+from .variants import Variant, parse_variant
 
-__all__ = ["decode_markdown", "plot_decode", "roofline", "run_decode"]
+__all__ = ["decode_markdown", "plot_decode", "run_decode"]
 
 KERNEL_CLASSES = (
     (
@@ -102,18 +107,6 @@ def profile_step(fn) -> dict:
             "top_kernels": [{"name": n[:120], "ms": ms, "class": classify(n)} for n, ms in top]}  # fmt: skip
 
 
-def gemm_tflops(n: int = 8192, repeats: int = 10) -> float:
-    """Measured bf16 GEMM throughput (TFLOP/s) of an ``n x n x n`` matmul: the compute roof we use."""
-    from .timing import _events_ms
-
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b, c = torch.randn_like(a), torch.empty_like(a)
-    for _ in range(3):
-        torch.mm(a, b, out=c)
-    ms = statistics.median(_events_ms(lambda: torch.mm(a, b, out=c), repeats))
-    return 2 * n**3 / (ms * 1e-3) / 1e12
-
-
 def state_pool_bytes(variant: Variant, spec, batch: int) -> int:
     """Bytes of every linear layer's state for ``batch`` sequences under ``variant``."""
     hv, kd, n_lin = spec.lin_value_heads, spec.lin_head_dim, spec.layer_types.count("linear")
@@ -121,50 +114,6 @@ def state_pool_bytes(variant: Variant, spec, batch: int) -> int:
         return n_lin * batch * hv * variant.state_bytes_per_head(kd, kd)
     cfg = variant.pool_config(hv, kd, kd, "vector" if spec.family == "kda" else "scalar")
     return n_lin * batch * cfg.bytes_per_slot()
-
-
-def roofline(model: DecodeModel, backend: Variant, copy_gbps: float, tflops: float) -> dict:
-    """Ideal step time: per component ``max(bytes / copy bandwidth, flops / GEMM throughput)``, summed.
-
-    Components: ``gemm`` (every weight matrix except the embedding and routed experts, LM head included),
-    ``experts`` (routed experts actually hit: ``E (1 - (1 - k/E)^B)`` per MoE layer for uniform routing),
-    ``attention`` (the KV cache read once, plus its FLOPs) and ``state`` (``bench.kernel``'s byte model of
-    the backend's state kernel: state bytes plus q/k/v/gate/beta/o).  Activations, norms, the conv update
-    and launch gaps are not in the ideal.
-    """
-    from .kernel import KernelCase, state_bytes_per_step
-
-    spec, b, ctx = model.spec, model.batch, model.context
-    bw, peak = copy_gbps * 1e9, tflops * 1e12
-    dense = experts_hit = experts_flops = 0
-    for lw in model.w["layers"]:
-        for key, t in lw.items():
-            if t.dtype != torch.bfloat16 or t.ndim < 2:
-                continue
-            if key.startswith("experts_"):
-                e = t.shape[0]
-                hit = e * (1 - (1 - spec.top_k / e) ** b)
-                experts_hit += t.numel() / e * hit
-                experts_flops += 2 * b * spec.top_k * t.numel() / e
-            else:
-                dense += t.numel()
-    dense += model.w["lm_head"].numel()
-    n_full = spec.layer_types.count("full")
-    kv = kv_cache_bytes(spec, b, ctx)
-    if spec.attn == "gqa":
-        attn_flops = n_full * 2 * b * spec.attn_heads * ctx * 2 * spec.attn_head_dim
-    else:
-        attn_flops = n_full * 2 * b * spec.attn_heads * ctx * (2 * spec.kv_lora_rank + spec.qk_rope_dim)
-    case = KernelCase(family=spec.family, n=b, heads=spec.lin_value_heads, key_heads=spec.lin_key_heads,
-                      d_k=spec.lin_head_dim, d_v=spec.lin_head_dim)  # fmt: skip
-    state = spec.layer_types.count("linear") * (state_bytes_per_step(backend, case) + case.io_bytes())
-    comps = {"gemm": (2 * dense, 2 * b * dense), "experts": (2 * experts_hit, experts_flops),
-             "attention": (kv, attn_flops), "state": (state, 0)}  # fmt: skip
-    out: dict = {name: {"bytes": by, "flops": fl, "ideal_ms": max(by / bw, fl / peak) * 1e3}
-                 for name, (by, fl) in comps.items()}  # fmt: skip
-    out["ideal_ms"] = sum(c["ideal_ms"] for c in list(out.values()))
-    out["ideal_tokens_per_s"] = b / (out["ideal_ms"] * 1e-3)
-    return out
 
 
 def _is_baseline(row: dict) -> bool:
@@ -178,6 +127,59 @@ def _grid(batches: list[int], contexts: list[int], grid: str, main: int) -> list
         return [(b, c) for c in contexts for b in batches]
     star = [(b, main) for b in batches]
     return star + [(max(batches), c) for c in contexts if c != main]
+
+
+def _models_and_grid(args) -> tuple[list[str], list[tuple[int, int]], int]:
+    """The models, the (batch, context) configurations a run covers (defaults per ``--tiny``) and the
+    context of its batch sweep."""
+    models = list(MODELS) if args.model == "both" else [args.model]
+    batches = args.batch or ([2, 4] if args.tiny else [64, 128, 256, 512])
+    contexts = args.context or ([16, 32] if args.tiny else [1024, 2048, 4096, 8192])
+    main = args.main_context or (4096 if 4096 in contexts else contexts[-1])
+    return models, _grid(batches, contexts, args.grid, main), main
+
+
+def _machine(report: dict) -> Machine:
+    return Machine(report["copy_gbps"], report["gemm_tflops"], measured=report["roofs_measured"])
+
+
+def _run_roofline_only(args) -> int:
+    """``--roofline-only``: the roofline breakdown of every configuration and backend on a given machine,
+    printed as Markdown tables (nothing is timed; no GPU needed)."""
+    from ..eval.provenance import provenance
+
+    machine = Machine(args.copy_gbps, args.gemm_tflops)
+    moe = "grouped" if args.moe == "auto" else args.moe  # auto: what a Hopper or Blackwell run picks
+    models, grid, _ = _models_and_grid(args)
+    report: dict = {
+        "roofline_only": True, "copy_gbps": machine.copy_gbps, "gemm_tflops": machine.gemm_tflops,
+        "roofs_measured": False, "configs": [], "provenance": provenance(cuda=False),
+        "settings": {"layers": args.layers, "moe": moe, "tiny": args.tiny,
+                     "backends": [v.label for v in args.backends]},
+    }  # fmt: skip
+    texts = []
+    for name in models:
+        spec = model_spec(name, args.layers, tiny=args.tiny)
+        weights = build_weights(spec, "meta")
+        base = parse_variant("fp32:fla")
+        for batch, context in grid:
+            texts.append(roofline_markdown(spec, batch, context, args.backends, machine, moe=moe))
+            print(texts[-1], flush=True)
+            steps = {v.label: step_roofline(spec, batch, context, v, machine, moe=moe, weights=weights)
+                     for v in [base, *args.backends]}  # fmt: skip
+            report["configs"].append({
+                "model": spec.name, "batch": batch, "context": context,
+                "rows": [{"backend": label, "roofline": st.to_dict(),
+                          "ceiling_vs_fp32": steps["fp32:fla"].ms / st.ms} for label, st in steps.items()],
+            })  # fmt: skip
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    if args.markdown:
+        Path(args.markdown).write_text("\n".join(texts))
+        print(f"wrote {args.markdown}")
+    return 0
 
 
 def _memory_reason(spec, batch: int, context: int, backends: list[Variant], device) -> str | None:
@@ -202,14 +204,13 @@ def run_decode(args) -> int:
     """The ``leapquant bench decode`` command (arguments in :func:`leapquant.cli.bench.add_parsers`)."""
     from ..eval.provenance import provenance
 
+    if args.roofline_only:
+        return _run_roofline_only(args)
     cuda = torch.cuda.is_available()
     if not cuda and not args.tiny:
         raise LeapQuantError("bench decode needs a CUDA GPU for real model sizes (use --tiny on the CPU)")
     device = torch.device("cuda" if cuda else "cpu")
-    models = list(MODELS) if args.model == "both" else [args.model]
-    batches = args.batch or ([2, 4] if args.tiny else [64, 128, 256, 512])
-    contexts = args.context or ([16, 32] if args.tiny else [1024, 2048, 4096, 8192])
-    main = args.main_context or (4096 if 4096 in contexts else contexts[-1])
+    models, grid, main = _models_and_grid(args)
     backends = sorted(args.backends, key=lambda v: v.kernel != "fla")  # the baseline first
     moe = args.moe
     if moe == "auto":
@@ -235,13 +236,20 @@ def run_decode(args) -> int:
             Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
 
     if not cuda:
-        say("CPU run: timings are NOT meaningful (torch references or the Triton interpreter)")
+        say(
+            "CPU run: timings are NOT meaningful (torch references or the Triton interpreter); ceilings "
+            "assume the H200's roofs"
+        )
+        machine = Machine()
     else:
-        from .timing import copy_bandwidth
+        from .timing import copy_bandwidth, gemm_tflops
 
-        report["copy_gbps"], report["gemm_tflops"] = copy_bandwidth(), gemm_tflops()
-        say(f"{report['provenance'].get('device')}: copy {report['copy_gbps']:.0f} GB/s (read + write), "
-            f"bf16 GEMM {report['gemm_tflops']:.0f} TFLOP/s")  # fmt: skip
+        machine = Machine(copy_bandwidth(), gemm_tflops(), measured=True)
+        say(f"{report['provenance'].get('device')}: copy {machine.copy_gbps:.0f} GB/s (read + write), "
+            f"bf16 GEMM {machine.gemm_tflops:.0f} TFLOP/s")  # fmt: skip
+    report.update(
+        copy_gbps=machine.copy_gbps, gemm_tflops=machine.gemm_tflops, roofs_measured=machine.measured
+    )
     for name in models:
         spec = model_spec(name, args.layers, tiny=args.tiny)
         weights = build_weights(spec, device, args.seed)
@@ -252,7 +260,7 @@ def run_decode(args) -> int:
             f"{spec.name}: {spec.layers} layers ({n_lin} {spec.family.upper()} + {n_full} "
             f"{spec.attn.upper()}), weights {wbytes / 2**30:.2f} GiB"
         )
-        for batch, context in _grid(batches, contexts, args.grid, main):
+        for batch, context in grid:
             cfg = {"model": spec.name, "batch": batch, "context": context}
             report["configs"].append(cfg)
             reason = _memory_reason(spec, batch, context, backends, device)
@@ -322,6 +330,8 @@ def _bench_config(model: DecodeModel, cfg: dict, backends, device, opts, args, r
             _free()
     base = cfg["no_state"]["ms"]
     cfg["lm_head_ms"] = base - cfg["no_state_no_lm_head"]["ms"]
+    cfg["roofline_fp32_ms"] = step_roofline(spec, model.batch, model.context, parse_variant("fp32:fla"),
+                                            _machine(report), moe=model.moe, weights=model.w).ms  # fmt: skip
     if args.profile:
         cfg["attention_ms"] = base - cfg["no_state_no_attention"]["ms"]
         cfg["mlp_ms"] = base - cfg["no_state_no_mlp"]["ms"]
@@ -342,14 +352,13 @@ def _bench_config(model: DecodeModel, cfg: dict, backends, device, opts, args, r
             row["extrapolated_full_depth_speedup"] = (
                 fp32_row["extrapolated_full_depth_ms"] / row["extrapolated_full_depth_ms"]
             )
-            if "roofline" in row:  # the speedup if every component ran at its roofline
-                row["roofline_speedup_vs_fp32"] = (
-                    fp32_row["roofline"]["ideal_ms"] / row["roofline"]["ideal_ms"]
-                )
+            row["fraction_of_ceiling"] = row["speedup_vs_fp32"] / row["ceiling_vs_fp32"]
         flag = "" if row["graph"] or not cuda else "  [no graph]"
+        reached = f" ({100 * row['fraction_of_ceiling']:.0f}%)" if "fraction_of_ceiling" in row else ""
         say(
             f"{tag} {variant.label:16s} {row['ms']:8.3f} ms {row['tokens_per_s']:9.0f} tok/s  "
-            f"{row.get('speedup_vs_fp32', 1.0):.2f}x fp32  state {100 * row['state_share']:4.1f}% "
+            f"{row.get('speedup_vs_fp32', 1.0):.2f}x fp32 of {row['ceiling_vs_fp32']:.2f}x ceiling{reached}  "
+            f"state {100 * row['state_share']:4.1f}% "
             f"({row['state_ms']:.3f} ms; alone {row['state_ms_isolated']:.3f} ms){flag}"
         )
         save()
@@ -400,8 +409,11 @@ def _bench_backend(variant: Variant, model: DecodeModel, cfg: dict, device, opts
     row["state_share_isolated"] = iso["ms"] / row["ms"]
     layers_ms = row["ms"] - cfg["lm_head_ms"]
     row["extrapolated_full_depth_ms"] = layers_ms * spec.real_layers / spec.layers + cfg["lm_head_ms"]
-    if "copy_gbps" in report:
-        row["roofline"] = roofline(model, variant, report["copy_gbps"], report["gemm_tflops"])
+    # the ideal step under this backend and the ceiling of its speedup (the baseline's ideal over it)
+    roof = step_roofline(spec, model.batch, model.context, variant, _machine(report), moe=model.moe,
+                         weights=model.w)  # fmt: skip
+    row["roofline"] = roof.to_dict()
+    row["ceiling_vs_fp32"] = cfg["roofline_fp32_ms"] / roof.ms
     return row
 
 
@@ -419,18 +431,19 @@ def decode_markdown(report: dict) -> str:
            f"{prov['torch']}, triton {prov['triton']}, fla {prov.get('fla')}; {prov['date_utc']}; "
            f"{report['timing_note']}.", f"Command: `{prov['command']}`."]  # fmt: skip
     if "copy_gbps" in report:
-        out.append(
-            f"Copy bandwidth {report['copy_gbps']:.0f} GB/s, bf16 GEMM {report['gemm_tflops']:.0f} TFLOP/s."
-        )
+        how = "" if report.get("roofs_measured", True) else " (assumed: the H200's, not measured)"
+        out.append(f"Copy bandwidth {report['copy_gbps']:.0f} GB/s, bf16 GEMM {report['gemm_tflops']:.0f} "
+                   f"TFLOP/s{how}. Ceiling: the speedup over fp32 of the roofline model of the step "
+                   "(`leapquant/bench/roofline.py`) on these roofs; % = measured speedup / ceiling."
+                   )  # fmt: skip
     rows = _ok(report)
     backends = list(dict.fromkeys(r["backend"] for r in rows))
     for model in dict.fromkeys(r["model"] for r in rows):
         mine = [r for r in rows if r["model"] == model]
-        out += ["", f"**{model}** ({report['models'][model]['layers']} layers): tokens/s, speedup over fp32, "
-                "share of the step in the state kernels (ablation / alone)", ""]  # fmt: skip
-        out.append(
-            "| context | batch | " + " | ".join(backends) + " | full-depth speedup (8-layer roofline) |"
-        )
+        out += ["", f"**{model}** ({report['models'][model]['layers']} layers): tokens/s, speedup over fp32 "
+                "(of its roofline ceiling, % reached), share of the step in the state kernels (ablation / "
+                "alone)", ""]  # fmt: skip
+        out.append("| context | batch | " + " | ".join(backends) + " | full-depth speedup (extrapolated) |")
         out.append("| ---: | ---: | " + " | ".join("---:" for _ in backends) + " | ---: |")
         for ctx, b in dict.fromkeys((r["context"], r["batch"]) for r in mine):
             cells, full = [], []
@@ -442,39 +455,49 @@ def decode_markdown(report: dict) -> str:
                     cells.append("")
                     continue
                 sp = r.get("speedup_vs_fp32")
-                cells.append(f"{r['tokens_per_s']:,.0f} ({sp or 1:.2f}x; {100 * r['state_share']:.0f}% / "
-                             f"{100 * r['state_share_isolated']:.0f}%)")  # fmt: skip
+                ceil = (f" of {r['ceiling_vs_fp32']:.2f}x, {100 * r['fraction_of_ceiling']:.0f}%"
+                        if "fraction_of_ceiling" in r and not _is_baseline(r) else "")  # fmt: skip
+                shares = f"{100 * r['state_share']:.0f}% / {100 * r['state_share_isolated']:.0f}%"
+                cells.append(f"{r['tokens_per_s']:,.0f} ({sp or 1:.2f}x{ceil}; {shares})")
                 if sp and not _is_baseline(r):
-                    ideal = r.get("roofline_speedup_vs_fp32")
+                    old = r.get("roofline_speedup_vs_fp32")  # reports before the roofline module
                     full.append(
                         f"{name} {r['extrapolated_full_depth_speedup']:.2f}x"
-                        + (f" (roofline {ideal:.2f}x)" if ideal else "")
+                        + (f" (8-layer roofline {old:.2f}x)" if old else "")
                     )
             out.append(f"| {ctx} | {b} | " + " | ".join(cells) + f" | {', '.join(full)} |")
-    prof = [r for r in rows if "profile" in r and "roofline" in r]
+    prof = [r for r in rows if "profile" in r and "classes" in r.get("roofline", {})]
     if prof:
         out += [
             "",
-            "**Where the time goes** (ms per step; ablation: state, attention core, MLP/MoE, LM head, rest; "
-            "profile: kernel busy time by name and idle gaps; ideal: roofline)",
+            "**Where the time goes** (ms per step, measured (ideal); measured: the ablations (state, "
+            "attention core, MLP/MoE, LM head) and the rest, the profile's GEMM kernel time and idle gaps; "
+            "ideal: the roofline model's classes (MLP/MoE: mlp, router and experts))",
             "",
             "| model | ctx | batch | backend | step | state | attn | mlp | lm head | rest | gemm | gaps "
-            "| ideal | ideal state | % of ideal |",
-            "| --- | ---: | ---: | --- |" + " ---: |" * 11,
+            "| % of ideal |",
+            "| --- | ---: | ---: | --- |" + " ---: |" * 9,
         ]
         for r in prof:
             cfg = next(c for c in report["configs"] if (c["model"], c["batch"], c["context"]) ==
                        (r["model"], r["batch"], r["context"]))  # fmt: skip
             parts = [r["state_ms"], cfg.get("attention_ms", 0.0), cfg.get("mlp_ms", 0.0), cfg["lm_head_ms"]]
             p, rl = r["profile"], r["roofline"]
+            ideal = {k: c["ms"] for k, c in rl["classes"].items()}
+            ideals = [
+                ideal.get("state", 0.0),
+                ideal.get("attention", 0.0),
+                sum(ideal.get(k, 0.0) for k in ("mlp", "router", "experts")),
+                ideal.get("lm-head", 0.0),
+            ]
+            cells = [r["ms"], *parts, r["ms"] - sum(parts)]
+            cells_ideal = [rl["ideal_ms"], *ideals, rl["ideal_ms"] - sum(ideals)]
             out.append(
-                f"| {r['model']} | {r['context']} | {r['batch']} | {r['backend']} | {r['ms']:.2f} | "
-                + " | ".join(f"{x:.2f}" for x in parts)
-                + f" | {r['ms'] - sum(parts):.2f} | "
-                f"{p.get('by_class_ms', {}).get('gemm', 0):.2f} | {p.get('gaps_ms', 0):.2f} | "
-                f"{rl['ideal_ms']:.2f} | {rl['state']['ideal_ms']:.2f} | "
+                f"| {r['model']} | {r['context']} | {r['batch']} | {r['backend']} | "
+                + " | ".join(f"{x:.2f} ({y:.2f})" for x, y in zip(cells, cells_ideal))
+                + f" | {p.get('by_class_ms', {}).get('gemm', 0):.2f} | {p.get('gaps_ms', 0):.2f} | "
                 f"{100 * rl['ideal_ms'] / r['ms']:.0f}% |"
-            )
+            )  # fmt: skip
     return "\n".join(out) + "\n"
 
 

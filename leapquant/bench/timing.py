@@ -1,4 +1,5 @@
-"""GPU timing: CUDA-graph replays timed with CUDA events, medians, and the measured copy bandwidth.
+"""GPU timing: CUDA-graph replays timed with CUDA events, medians, and the measured roofs (copy bandwidth,
+bf16 GEMM throughput).
 
 A benchmark captures ``steps`` consecutive decode steps in one CUDA graph, each on a different rotation of
 inputs and pool slots (so the 60 MB L2 of an H200 cannot hold what the next step reads), replays the graph
@@ -15,6 +16,7 @@ import torch
 __all__ = [
     "capture_graph",
     "copy_bandwidth",
+    "gemm_tflops",
     "kernel_breakdown",
     "profiled_kernels",
     "time_steps",
@@ -42,6 +44,17 @@ def copy_bandwidth(nbytes: int = 2 << 30, repeats: int = 20) -> float:
         dst.copy_(src)
     ms = statistics.median(_events_ms(lambda: dst.copy_(src), repeats))
     return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def gemm_tflops(n: int = 8192, repeats: int = 10) -> float:
+    """Measured bf16 GEMM throughput in TFLOP/s: ``2 n^3`` FLOPs of an ``n x n x n`` matmul over its median
+    time (CUDA events): the compute roof of the decode roofline (:mod:`leapquant.bench.roofline`)."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b, c = torch.randn_like(a), torch.empty_like(a)
+    for _ in range(3):
+        torch.mm(a, b, out=c)
+    ms = statistics.median(_events_ms(lambda: torch.mm(a, b, out=c), repeats))
+    return 2 * n**3 / (ms * 1e-3) / 1e12
 
 
 def capture_graph(fn: Callable[[], None]):

@@ -6,6 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
+from ..bench import H200_COPY_GBPS, H200_GEMM_TFLOPS
 from ..errors import LeapQuantError
 
 # Variants that make the paper's Table 2 kernel column, plus our other formats and a step-only breakdown.
@@ -175,8 +176,9 @@ def _add_decode_parser(bsub: argparse._SubParsersAction) -> None:
         help="whole decode steps of 8-layer Qwen3.5-9B / Kimi-Linear-48B-shaped hybrids, per state backend",
         description="One decode step of a hybrid model with the real layer dimensions and pattern "
         "(random bf16 weights, a real KV cache of each context length) captured in a CUDA graph; tokens/s "
-        "per state backend, speedup over fp32, the share of the step in the state kernels. Without a GPU "
-        "use --tiny (timings are then not meaningful).",
+        "per state backend, speedup over fp32 beside its roofline ceiling (the fraction reached), the share "
+        "of the step in the state kernels. Without a GPU use --tiny (timings are then not meaningful) or "
+        "--roofline-only.",
     )
     d.add_argument(
         "--model", default="both",
@@ -228,6 +230,22 @@ def _add_decode_parser(bsub: argparse._SubParsersAction) -> None:
     d.add_argument("--warmup", type=int, default=2, help="graph replays before timing (default 2)")
     d.add_argument("--repeats", type=int, default=10, help="timed graph replays, median (default 10)")
     d.add_argument("--seed", type=int, default=0)
+    d.add_argument(
+        "--roofline-only", action="store_true",
+        help="time nothing (no GPU needed): print the roofline model of each configuration's step per "
+        "kernel class (GB moved, GFLOP, ideal ms and share per backend) and each backend's ceiling over "
+        "fp32:fla, on the roofs --copy-gbps and --gemm-tflops",
+    )  # fmt: skip
+    d.add_argument(
+        "--copy-gbps", type=float, default=None, metavar="GB/S",
+        help=f"with --roofline-only: copy bandwidth, read + write (default {H200_COPY_GBPS:.0f}, the H200's "
+        "measured; a GPU run measures its own)",
+    )  # fmt: skip
+    d.add_argument(
+        "--gemm-tflops", type=float, default=None, metavar="TFLOP/S",
+        help=f"with --roofline-only: bf16 GEMM throughput (default {H200_GEMM_TFLOPS:.0f}, the H200's "
+        "measured 8192^3 matmul; a GPU run measures its own)",
+    )  # fmt: skip
     d.add_argument("--json", metavar="OUT", help="write rows, ablations, profiles and provenance as JSON")
     d.add_argument("--markdown", metavar="OUT.md", help="write the tables as Markdown")
     d.add_argument("--plot", metavar="OUT.png", help="throughput per configuration (paper Figure 8 style)")
@@ -258,6 +276,19 @@ def run_decode(args: argparse.Namespace) -> int:
         raise LeapQuantError(
             "bench decode: --layers, --graph-steps and --repeats must be >= 1, --warmup >= 0"
         )
+    roofs = {"--copy-gbps": args.copy_gbps, "--gemm-tflops": args.gemm_tflops}
+    if not args.roofline_only:
+        given = [name for name, value in roofs.items() if value is not None]
+        if given:
+            raise LeapQuantError(f"bench decode: {' and '.join(given)} apply to --roofline-only (a GPU run "
+                                 "measures its roofs)")  # fmt: skip
+    else:
+        if args.plot:
+            raise LeapQuantError(
+                "bench decode: --plot needs timings; --roofline-only writes --json and --markdown"
+            )
+        args.copy_gbps = H200_COPY_GBPS if args.copy_gbps is None else args.copy_gbps
+        args.gemm_tflops = H200_GEMM_TFLOPS if args.gemm_tflops is None else args.gemm_tflops
     return run(args)
 
 
