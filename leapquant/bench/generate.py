@@ -7,7 +7,8 @@ synchronization that the native path does not.  Each method decodes ``new_tokens
 stop) from ``batch`` prompts; the time of a one-token ``generate()`` (the prefill and setup) is subtracted, so
 the rate is decode tokens per second.  Times are wall-clock between ``torch.cuda.synchronize()`` calls (a
 ``generate()`` loop is driven by the host, so CUDA events around it would time the same span); each is the
-median of ``repeats`` runs after one warm-up run that also compiles the kernels.
+median of ``repeats`` runs after one warm-up run that also compiles the kernels.  On the CPU it runs the
+same code (a check that it works, for tests), but its times say nothing about a GPU.
 """
 
 from __future__ import annotations
@@ -37,41 +38,50 @@ class GenerateCase:
                 raise LeapQuantError(f"generate bench: {name} must be >= 1, got {getattr(self, name)}")
 
 
-def _timed(fn, repeats: int) -> float:
+def _timed(fn, repeats: int, device: str) -> float:
     import torch
+
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
 
     times = []
     for _ in range(repeats):
-        torch.cuda.synchronize()
+        sync()
         start = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
-def bench_generate(model_path: str | Path, methods: list[str], case: GenerateCase) -> list[dict]:
-    """Decode tokens/s of ``generate()`` for each method (``"fp32"``: the model's own state, unpatched).
+def bench_generate(
+    model_path: str | Path, methods: list[str], case: GenerateCase, device: str = "cuda"
+) -> list[dict]:
+    """Decode tokens/s of ``generate()`` for each method (``"fp32"``: the model's own state, unpatched), on
+    ``device`` (``"cuda"`` or ``"cpu"``).
 
     Returns one row per method: ``method``, ``decode_s`` (the ``new_tokens - 1`` decode steps),
-    ``tokens_per_s`` (``batch * (new_tokens - 1) / decode_s``) and ``vs_fp32`` (its rate over FP32's, when
-    ``"fp32"`` is among the methods).
+    ``tokens_per_s`` (``batch * (new_tokens - 1) / decode_s``; ``None`` where the decode was within the
+    timing noise) and ``vs_fp32`` (its rate over FP32's, when ``"fp32"`` is among the methods).
     """
     import torch
 
     from ..eval.model_eval import load_model, stdlib_text
     from ..integrations import patch
 
-    if not torch.cuda.is_available():
-        raise LeapQuantError("bench generate needs a CUDA GPU (throughput on the CPU says nothing here)")
+    if device not in ("cuda", "cpu"):
+        raise LeapQuantError(f"generate bench: device must be cuda or cpu, got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise LeapQuantError("generate bench: no CUDA GPU here (--device cpu runs it, its times meaningless)")
     if case.new_tokens < 2:
         raise LeapQuantError("generate bench: new_tokens must be >= 2 (one token is the prefill's)")
-    model, tokenizer = load_model(model_path, "cuda")
+    model, tokenizer = load_model(model_path, device)
     text, _ = stdlib_text(64 * case.batch * case.prompt_tokens)
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     stride = len(ids) // case.batch
     prompts = torch.tensor(
-        [ids[i * stride : i * stride + case.prompt_tokens] for i in range(case.batch)], device="cuda"
+        [ids[i * stride : i * stride + case.prompt_tokens] for i in range(case.batch)], device=device
     )
     mask = torch.ones_like(prompts)
 
@@ -86,18 +96,18 @@ def bench_generate(model_path: str | Path, methods: list[str], case: GenerateCas
         handle = None if method == "fp32" else patch(model, method)
         try:
             generate(case.new_tokens)  # warm-up: kernel compilation, allocator
-            full = _timed(lambda: generate(case.new_tokens), case.repeats)
-            setup = _timed(lambda: generate(1), case.repeats)
+            full = _timed(lambda: generate(case.new_tokens), case.repeats, device)
+            setup = _timed(lambda: generate(1), case.repeats, device)
         finally:
             if handle is not None:
                 handle.unpatch()
-        decode_s = full - setup
+        decode_s = full - setup  # at or below zero when the decode is within the timing noise (tiny runs)
         rows.append({
-            "method": method, "batch": case.batch, "prompt_tokens": case.prompt_tokens,
+            "method": method, "device": device, "batch": case.batch, "prompt_tokens": case.prompt_tokens,
             "new_tokens": case.new_tokens, "generate_s": full, "setup_s": setup, "decode_s": decode_s,
-            "tokens_per_s": case.batch * (case.new_tokens - 1) / decode_s,
+            "tokens_per_s": case.batch * (case.new_tokens - 1) / decode_s if decode_s > 0 else None,
         })  # fmt: skip
     base = next((r["tokens_per_s"] for r in rows if r["method"] == "fp32"), None)
     for r in rows:
-        r["vs_fp32"] = r["tokens_per_s"] / base if base else None
+        r["vs_fp32"] = r["tokens_per_s"] / base if base and r["tokens_per_s"] else None
     return rows

@@ -1,0 +1,59 @@
+"""``bench generate``: the throughput tool runs end to end (on the CPU here; its times mean nothing there) and
+times each method through a patched model beside the unpatched FP32 one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from leapquant.bench.generate import GenerateCase, bench_generate
+from leapquant.errors import LeapQuantError
+
+CHECKPOINT = Path(__file__).resolve().parents[1] / "checkpoints" / "qwen35-gdn-hybrid-byte"
+
+
+def test_rows_for_each_method_beside_fp32(monkeypatch):
+    import leapquant.integrations
+
+    patched = []
+    real_patch = leapquant.integrations.patch
+
+    def spy(model, method):
+        patched.append(method)
+        return real_patch(model, method)
+
+    monkeypatch.setattr(leapquant.integrations, "patch", spy)
+    case = GenerateCase(batch=2, prompt_tokens=4, new_tokens=3, repeats=1)
+    rows = bench_generate(CHECKPOINT, ["fp32", "leapquant-int8"], case, device="cpu")
+    assert patched == ["leapquant-int8"]  # fp32 is the model's own state
+    assert [r["method"] for r in rows] == ["fp32", "leapquant-int8"]
+    for r in rows:
+        assert r["device"] == "cpu" and r["batch"] == 2 and r["new_tokens"] == 3
+        assert r["generate_s"] > 0 and r["setup_s"] > 0
+        assert r["decode_s"] == pytest.approx(r["generate_s"] - r["setup_s"])
+        if r["tokens_per_s"] is not None:
+            assert r["tokens_per_s"] == pytest.approx(2 * 2 / r["decode_s"])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"batch": 0}, "batch must be >= 1"),
+        ({"repeats": 0}, "repeats must be >= 1"),
+    ],
+    ids=["batch-0", "repeats-0"],
+)
+def test_bad_cases(kwargs, match):
+    with pytest.raises(LeapQuantError, match=match):
+        GenerateCase(**kwargs)
+
+
+def test_one_new_token_has_no_decode_to_time():
+    with pytest.raises(LeapQuantError, match="new_tokens must be >= 2"):
+        bench_generate(CHECKPOINT, ["fp32"], GenerateCase(new_tokens=1), device="cpu")
+
+
+def test_unknown_device():
+    with pytest.raises(LeapQuantError, match="device must be cuda or cpu"):
+        bench_generate(CHECKPOINT, ["fp32"], GenerateCase(), device="tpu")
