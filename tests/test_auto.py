@@ -120,8 +120,13 @@ def test_bad_plans_raise_one_line_errors(tmp_path, text, match):
 
 
 def test_auto_needs_calibration_and_policies_validate():
-    with pytest.raises(LeapQuantError, match="leapquant calibrate"):
-        as_layer_methods("leapquant-auto")
+    from leapquant.methods import POLICIES
+    from leapquant.methods.config import POLICY_NAMES
+
+    assert tuple(POLICIES) == POLICY_NAMES
+    for name in POLICY_NAMES:
+        with pytest.raises(LeapQuantError, match="leapquant calibrate"):
+            as_layer_methods(name)
     with pytest.raises(LeapQuantError, match="budget"):
         AutoPolicy(budget=0)
     with pytest.raises(LeapQuantError):

@@ -159,15 +159,8 @@ def as_layer_methods(method, what: str = "method") -> LayerPlan:
     """A :class:`LayerPlan` from what an entry point was given: a plan, a ``.json`` plan file, or a method
     name / :class:`MethodConfig` (every layer the same).  ``leapquant-auto`` needs a model to calibrate on:
     it raises, naming how to make its plan."""
-    from .auto import POLICIES
-
     if isinstance(method, LayerPlan):
         return method
-    if isinstance(method, str) and method.strip() in POLICIES:
-        raise LeapQuantError(
-            f"{method.strip()} chooses a method per layer on a calibration trace: run `leapquant calibrate "
-            "--model DIR --out plan.json` (or leapquant.calibrate_model) and pass the plan file"
-        )
     if isinstance(method, str) and method.strip().endswith(".json"):
         return load_plan(method.strip())
-    return LayerPlan.uniform(as_method(method, what))
+    return LayerPlan.uniform(as_method(method, what))  # parse_method refuses policy names with a hint
