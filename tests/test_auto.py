@@ -185,3 +185,23 @@ def test_patch_gives_each_layer_its_plan_method():
     patched.unpatch()
     with pytest.raises(LeapQuantError, match="not linear-attention layers"):
         patch(model, LayerPlan(((3, pm(INT8)),), default=pm(INT4)))
+
+
+def test_calibrate_model_plans_every_linear_layer_and_patch_takes_it(tmp_path):
+    from tiny_models import tiny_model
+
+    from leapquant.integrations import calibrate_model, linear_attention_layers, patch
+
+    def tokenizer(text, add_special_tokens=False):  # a byte tokenizer for the tiny vocabulary
+        return {"input_ids": [3 + b % 60 for b in text.encode()]}
+
+    model = tiny_model("kimi_linear", d=16)
+    policy = AutoPolicy(candidates=("int4/w4+ct2", "int8/w4"), horizon=256)
+    plan = calibrate_model(model, tokenizer, policy, tokens=64)
+    layers = [i for i, _ in linear_attention_layers(model)]
+    assert [i for i, _ in plan.layers] == layers and plan.default is None
+    assert set(plan.evidence["layers"]) == {str(i) for i in layers}
+    assert plan.evidence["calibration_tokens"] == 64
+    patch(model, str(plan.save(tmp_path / "plan.json"))).unpatch()
+    with pytest.raises(LeapQuantError, match="unknown policy"):
+        calibrate_model(model, tokenizer, "leapquant-autp")
