@@ -205,3 +205,15 @@ def test_calibrate_model_plans_every_linear_layer_and_patch_takes_it(tmp_path):
     patch(model, str(plan.save(tmp_path / "plan.json"))).unpatch()
     with pytest.raises(LeapQuantError, match="unknown policy"):
         calibrate_model(model, tokenizer, "leapquant-autp")
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [(["--out", "plan.txt"], "must name a .json"), (["--out", "p.json", "--budget", "0"], "budget")],
+)
+def test_calibrate_cli_errors_exit_2_with_one_line(extra, match, capsys):
+    from leapquant.cli.main import main
+
+    assert main(["calibrate", *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("leapquant: error:") and match in err and "\n" not in err

@@ -36,6 +36,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
+    from dataclasses import replace
     from pathlib import Path
 
     from ..eval.model_eval import load_model
@@ -53,7 +54,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
         text = Path(args.text).read_text(encoding="utf-8", errors="replace")
     model, tokenizer = load_model(args.model, args.device)
     plan = calibrate_model(model, tokenizer, policy, tokens=args.tokens, text=text)
-    plan.evidence.update(model=str(args.model), provenance=provenance())
+    plan = replace(plan, evidence={**plan.evidence, "model": str(args.model), "provenance": provenance()})
     plan.save(args.out)
     print(f"wrote {args.out}: {plan.name}")
     for layer, row in plan.evidence["layers"].items():

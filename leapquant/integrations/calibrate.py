@@ -6,6 +6,7 @@ models, deterministic, and disjoint from the standard-library text ``leapquant e
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from ..errors import LeapQuantError
@@ -67,5 +68,4 @@ def calibrate_model(
         for i, layer in enumerate(layers)
     }
     plan = calibrate(policy, per_layer, name=name)
-    plan.evidence["calibration_text"] = source
-    return plan
+    return replace(plan, evidence={**plan.evidence, "calibration_text": source})

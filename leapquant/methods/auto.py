@@ -32,6 +32,7 @@ an explicit :class:`~leapquant.methods.layer_plan.LayerPlan` with the evidence a
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -87,8 +88,6 @@ POLICIES = dict(zip(POLICY_NAMES, (AutoPolicy(),), strict=True))
 
 def head_bytes(cfg: MethodConfig, d_k: int, d_v: int, decay_values: int) -> int:
     """Live bytes of one head: boundary state plus record buffer (the planner's count)."""
-    import math
-
     return math.ceil(cfg.bytes_per_element(d_k, d_v) * d_k * d_v) + cfg.record_buffer_bytes(
         d_k, d_v, decay_values
     )
