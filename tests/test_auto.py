@@ -81,8 +81,8 @@ def test_auto_keeps_int4_where_it_holds_and_falls_back_to_int8_where_it_cannot()
     assert ev["0"]["chosen"] == INT4 and ev["3"]["chosen"] == INT8
     assert not ev["0"]["fallback"] and not ev["3"]["fallback"]  # INT8 met the budget: no fallback needed
     assert ev["3"]["candidates"][INT4]["worst"] > 0.35 >= ev["3"]["candidates"][INT8]["worst"]
-    # a budget nothing meets: every layer falls back to the dearest candidate
-    strict = calibrate(AutoPolicy(candidates=(INT4, INT8), budget=1e-6), {0: SHORT})
+    # a budget nothing meets: the most accurate candidate, not the dearest (w32 costs more than INT8)
+    strict = calibrate(AutoPolicy(candidates=(INT4, "int4/w32+ct8+smooth", INT8), budget=1e-6), {0: SHORT})
     assert strict.for_layer(0) == pm(INT8) and strict.evidence["layers"]["0"]["fallback"]
 
 

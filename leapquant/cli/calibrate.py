@@ -18,7 +18,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         help="choose a method per layer (leapquant-auto) on a short trace; write the plan as JSON",
         description="Record the model's linear-attention records on a calibration text (default: "
         "leapquant's own source), predict each candidate's state error per head over --horizon tokens, and "
-        "keep per layer the cheapest candidate within --budget (the last candidate where none is). The plan "
+        "keep per layer the cheapest candidate within --budget (the most accurate where none is). The plan "
         "goes to `leapquant eval -m PLAN.json`, `leapquant memory --method PLAN.json` and leapquant.patch.",
     )
     p.add_argument("--model", default=str(DEFAULT_MODEL))

@@ -23,7 +23,8 @@ stays far below it.
 the window boundaries of a short trace (as the method would, compensators warm-started window to window),
 computes ``G`` from the trace's own records, cycled up to ``horizon`` tokens, and predicts ``e`` per head.
 Per layer it keeps the cheapest candidate (bytes of boundary state plus record buffer per head) whose worst
-head stays within ``budget``, and falls back to the last candidate (8-bit) where none does.  The default
+head stays within ``budget``, and falls back to the most accurate candidate (8-bit by default) where none
+does.  The default
 budget, 0.35, is ``rho^2 G = 0.11``: a 9x margin to the divergence at 1, kept because a short trace
 underestimates ``G`` (on GDN layer 6, 2K calibration tokens predict 0.47 for INT4 where 64K cycled tokens
 measure 0.8-1.3).  The result is
@@ -47,8 +48,10 @@ from .smoothing import smoothing_scales
 __all__ = ["AUTO_CANDIDATES", "POLICIES", "AutoPolicy", "calibrate", "error_gain", "predicted_error"]
 
 # Kernel-runnable candidates, cheapest first at 128x128 GDN heads (boundary + fp16 record buffer per head):
-# int4/w16+ct8 13.3 + 8.3 KB, int4/w32+ct8 13.3 + 16.5 KB, int8/w16+ct4 19.5 + 8.3 KB.
-AUTO_CANDIDATES = ("int4/w16+ct8+smooth", "int4/w32+ct8+smooth", "int8/w16+ct4+smooth")
+# int4/w16+ct8 13.3 + 8.3 KB, int8/w16+ct4 19.5 + 8.3 KB.  Longer INT4 windows lower the error gain but
+# their record buffer costs more than INT8's boundary (int4/w32+ct8: 13.3 + 16.5 KB), and 16 compensator
+# tokens or group scales cut rho by only 20-30% (RESULTS.md); give them as candidates to weigh them.
+AUTO_CANDIDATES = ("int4/w16+ct8+smooth", "int8/w16+ct4+smooth")
 
 
 @dataclass(frozen=True)
@@ -56,8 +59,8 @@ class AutoPolicy:
     """How :func:`calibrate` chooses a method per layer.
 
     Attributes:
-        candidates: method names, tried cheapest first (re-sorted by bytes per head); the most expensive
-            is the fallback where no candidate meets the budget.
+        candidates: method names, tried cheapest first (re-sorted by bytes per head); where none meets
+            the budget, the one with the lowest predicted error is the fallback.
         budget: largest predicted relative state error ``||E|| / ||S||`` allowed for any head of a layer.
         horizon: tokens the prediction covers (the calibration trace's records are cycled up to it).
     """
@@ -207,7 +210,9 @@ def calibrate(
             if pick is None and worst <= policy.budget:
                 pick = cfg  # the cheapest that meets the budget; the dearer ones stay in the evidence
         fallback = pick is None
-        chosen[layer] = configs[-1] if fallback else pick
+        if fallback:  # the lowest predicted error, cheapest among equals
+            pick = min(configs, key=lambda c: rows[c.name]["worst"])
+        chosen[layer] = pick
         evidence[str(layer)] = {"chosen": chosen[layer].name, "fallback": fallback, "candidates": rows}
     meta = {
         "policy": name,
