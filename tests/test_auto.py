@@ -131,6 +131,10 @@ def test_auto_needs_calibration_and_policies_validate():
         AutoPolicy(budget=0)
     with pytest.raises(LeapQuantError):
         AutoPolicy(candidates=("int4/w16+ct8+smoth",))
+    with pytest.raises(LeapQuantError, match="must share"):
+        calibrate(AutoPolicy(), {0: (SHORT[0], SHORT[1][:, :8], SHORT[2], SHORT[3])})
+    with pytest.raises(LeapQuantError, match="shorter than a window"):
+        calibrate(AutoPolicy(), {0: tuple(x[:, :8] for x in SHORT)})
     with pytest.raises(LeapQuantError, match="listed once"):
         LayerPlan(((1, pm(INT8)), (1, pm(INT4))))
 

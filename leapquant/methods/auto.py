@@ -45,7 +45,16 @@ from .config import POLICY_NAMES, MethodConfig, parse_method
 from .layer_plan import LayerPlan
 from .smoothing import smoothing_scales
 
-__all__ = ["AUTO_CANDIDATES", "POLICIES", "AutoPolicy", "calibrate", "error_gain", "predicted_error"]
+__all__ = [
+    "AUTO_CANDIDATES",
+    "POLICIES",
+    "AutoPolicy",
+    "boundary_errors",
+    "calibrate",
+    "error_gain",
+    "head_bytes",
+    "predicted_error",
+]
 
 # Kernel-runnable candidates, cheapest first at 128x128 GDN heads (boundary + fp16 record buffer per head):
 # int4/w16+ct8 13.3 + 8.3 KB, int8/w16+ct4 19.5 + 8.3 KB.  Longer INT4 windows lower the error gain but
@@ -190,7 +199,14 @@ def calibrate(
         raise LeapQuantError("calibrate: no layers in the calibration records")
     chosen, evidence = {}, {}
     for layer, recs in sorted(records.items()):
+        if len(recs) != 4 or any(x.ndim != 3 for x in recs):
+            raise LeapQuantError(f"calibrate: layer {layer} needs (a, k, b, v), each [heads, T, d]")
         a, k, b, v = (x.to(torch.float64) for x in recs)
+        if not a.shape == k.shape == b.shape or v.shape[:2] != k.shape[:2]:
+            raise LeapQuantError(
+                f"calibrate: layer {layer}: a, k, b must share [heads, T, d_k] and v [heads, T, d_v], got "
+                f"{[tuple(x.shape) for x in recs]}"
+            )
         d_k, d_v = k.shape[-1], v.shape[-1]
         scalar = bool((a == a[..., :1]).all())
         rows, pick = {}, None
