@@ -127,6 +127,8 @@ def test_auto_needs_calibration_and_policies_validate():
     for name in POLICY_NAMES:
         with pytest.raises(LeapQuantError, match="leapquant calibrate"):
             as_layer_methods(name)
+    with pytest.raises(LeapQuantError, match="names a layer plan, not one method"):
+        pm("plans/gdn.json")  # entry points that take one method (vLLM, simulate) say so
     with pytest.raises(LeapQuantError, match="budget"):
         AutoPolicy(budget=0)
     with pytest.raises(LeapQuantError):

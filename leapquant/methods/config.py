@@ -202,6 +202,11 @@ def parse_method(name: str) -> MethodConfig:
             f"{name.strip()} chooses a method per layer on a calibration trace: run `leapquant calibrate "
             "--model DIR --out plan.json` (or leapquant.calibrate_model) and pass the plan file"
         )
+    if name.strip().endswith(".json"):
+        raise LeapQuantError(
+            f"{name.strip()} names a layer plan, not one method: leapquant.patch, `leapquant eval -m` and "
+            "`leapquant memory --method` take plans; this entry point takes one method for every layer"
+        )
     text = ALIASES.get(name.strip(), name.strip())
     head, *options = text.split("+")
     codec, window = head, 1
