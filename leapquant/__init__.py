@@ -18,6 +18,8 @@ _LAZY = {
     "parse_method": "leapquant.methods",
     "MethodConfig": "leapquant.methods",
     "WindowedState": "leapquant.methods",
+    "LayerPlan": "leapquant.methods",
+    "load_plan": "leapquant.methods",
     "Records": "leapquant.recurrences",
     "exact_recurrence": "leapquant.recurrences",
     "Trace": "leapquant.traces",
@@ -26,6 +28,7 @@ _LAZY = {
     "simulate": "leapquant.eval",
     "patch": "leapquant.integrations",
     "unpatch": "leapquant.integrations",
+    "calibrate_model": "leapquant.integrations",
 }
 
 __all__ = ["LeapQuantError", "__version__", *_LAZY]

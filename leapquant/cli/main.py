@@ -12,7 +12,7 @@ __all__ = ["main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import bench, memory, model, simulate
+    from . import bench, calibrate, memory, model, simulate
 
     parser = argparse.ArgumentParser(
         prog="leapquant",
@@ -23,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_parsers(sub)
     model.add_parsers(sub)
     memory.add_parsers(sub)
+    calibrate.add_parsers(sub)
     return parser
 
 

@@ -46,7 +46,7 @@ class EvalConfig:
     """What to evaluate.
 
     Args:
-        methods: method names (FP32 always runs as the reference row).
+        methods: method names or saved layer plans (`*.json`); FP32 always runs as the reference row.
         tokens: teacher-forced decode steps scored.
         prefill: prompt tokens run through the model's own chunked kernel before decoding.
         curve_points: how many times the per-layer state error is sampled along the run.
@@ -63,19 +63,24 @@ class EvalConfig:
     backend: str = "auto"
 
     def __post_init__(self) -> None:
-        from ..methods import parse_method
+        from ..methods import load_plan, parse_method
 
         if not self.methods:
             raise LeapQuantError("eval: give at least one --method")
-        # names become configs here, once; the run looks them up (config_of) by the name it reports under
-        configs = {m: parse_method(m) for m in ("fp32", *self.methods, *self.generate)}
+        # names become configs here, once; the run looks them up (config_of) by the name it reports under.
+        # A saved layer plan (leapquant calibrate --out PLAN.json) is named by its file.
+        configs = {
+            m: load_plan(m) if m.strip().endswith(".json") else parse_method(m)
+            for m in ("fp32", *self.methods, *self.generate)
+        }
         object.__setattr__(self, "_configs", configs)
         for name in ("tokens", "prefill", "curve_points", "generate_tokens"):
             if getattr(self, name) < 1:
                 raise LeapQuantError(f"eval: {name} must be >= 1, got {getattr(self, name)}")
 
     def config_of(self, name: str):
-        """The :class:`~leapquant.methods.MethodConfig` of a method this config names."""
+        """The :class:`~leapquant.methods.MethodConfig` (or :class:`~leapquant.methods.LayerPlan`) of a
+        method this config names."""
         return self._configs[name]
 
 

@@ -23,7 +23,9 @@ held on the cache object (``cache._leapquant_states``), so every ``generate()`` 
 cache, starts fresh.
 
 ``method`` may also be a sequence of names: the batch is split into that many equal groups of rows, group
-``i`` under method ``i`` (the evaluation harness runs FP32 and every method side by side this way).
+``i`` under method ``i`` (the evaluation harness runs FP32 and every method side by side this way).  Any of
+them may be a :class:`~leapquant.methods.LayerPlan` (or its ``.json`` file): each layer then gets the
+plan's method for that layer (``leapquant calibrate`` writes one).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import LeapQuantError
-from ..methods import MethodConfig, as_method
+from ..methods import LayerPlan, MethodConfig, as_layer_methods, as_method
 from .backends import make_state
 
 __all__ = ["SUPPORTED_LAYERS", "LeapQuantPatch", "linear_attention_layers", "patch", "unpatch"]
@@ -123,7 +125,12 @@ class _RowGroups:
     """One layer's states for the rows of a batch: ``len(methods)`` equal groups of rows."""
 
     def __init__(
-        self, patched: LeapQuantPatch, kind: _LayerKind, recurrent_fn: Callable, state: torch.Tensor
+        self,
+        patched: LeapQuantPatch,
+        layer_idx: int,
+        kind: _LayerKind,
+        recurrent_fn: Callable,
+        state: torch.Tensor,
     ):
         b = state.shape[0]
         groups = len(patched.methods)
@@ -135,9 +142,9 @@ class _RowGroups:
         self.size = b // groups
         self.handle_seen: torch.Tensor | None = None  # the cache tensor whose rows were last read
         self.states = []
-        for i, method in enumerate(patched.methods):
+        for i, plan in enumerate(patched.methods):
             st = make_state(
-                method,
+                plan.for_layer(layer_idx),
                 backend=patched.backend,
                 device=state.device,
                 decay=kind.decay,
@@ -229,7 +236,8 @@ class _PatchedLayer:
                 **kwargs,
             )
             recurrent = sys.modules[type(self.module).__module__].__dict__[self.kind.recurrent_fn].__wrapped__
-            store[self.layer_idx] = _RowGroups(self.patched, self.kind, recurrent, final.float())
+            groups = _RowGroups(self.patched, self.layer_idx, self.kind, recurrent, final.float())
+            store[self.layer_idx] = groups
             return out, _row_handle(query.shape[0], query.device)
         if initial_state is not groups.handle_seen:
             # A cache tensor we have not read yet: the first decode step, or a cache that replaced its
@@ -255,12 +263,13 @@ class LeapQuantPatch:
     """What :func:`patch` did to a model; :meth:`unpatch` undoes it.
 
     Attributes:
-        methods: the method of each group of batch rows (one unless a sequence was given).
+        methods: the :class:`LayerPlan` of each group of batch rows (one unless a sequence was given);
+            a plain method is the plan giving every layer that method.
         backend: ``auto``, ``reference``, ``reference64`` or ``triton``.
         layers: the patched layer indices.
     """
 
-    def __init__(self, model: torch.nn.Module, methods: tuple[MethodConfig, ...], backend: str) -> None:
+    def __init__(self, model: torch.nn.Module, methods: tuple[LayerPlan, ...], backend: str) -> None:
         self.model = model
         self.methods = methods
         self.backend = backend
@@ -302,7 +311,7 @@ class LeapQuantPatch:
 
 def patch(
     model: torch.nn.Module,
-    method: str | MethodConfig | Sequence[str | MethodConfig] = "leapquant-int8",
+    method: str | MethodConfig | LayerPlan | Sequence[str | MethodConfig | LayerPlan] = "leapquant-int8",
     *,
     backend: str = "auto",
 ) -> LeapQuantPatch:
@@ -312,8 +321,9 @@ def patch(
         model: a loaded transformers model with Gated DeltaNet or KDA layers (``Qwen3_5ForCausalLM``,
             ``Qwen3_5ForConditionalGeneration``, ``Qwen3_5MoeForCausalLM``, ``Qwen3NextForCausalLM``,
             ``KimiLinearForCausalLM``).
-        method: a method name (``leapquant methods`` lists them) or :class:`MethodConfig`, or a sequence of
-            them, one per equal group of batch rows.
+        method: a method name (``leapquant methods`` lists them), a :class:`MethodConfig`, a
+            :class:`LayerPlan` or the path of a saved plan (``*.json``: a method per layer), or a sequence
+            of them, one per equal group of batch rows.
         backend: ``"auto"`` (Triton kernels on CUDA where the method has one, else the reference),
             ``"reference"`` (float32), ``"reference64"`` (float64) or ``"triton"``.
 
@@ -321,12 +331,12 @@ def patch(
         A :class:`LeapQuantPatch`; call ``.unpatch()`` to restore the model. Patching a patched model
         replaces the previous patch.
     """
-    if isinstance(method, (str, MethodConfig)):
+    if isinstance(method, (str, MethodConfig, LayerPlan)):
         method = (method,)
     elif not isinstance(method, Sequence):
         as_method(method, "patch: method")  # raises, naming what it got
     # names become configs here, once: an unknown name fails before the model is touched
-    methods = tuple(as_method(m, "patch: method") for m in method)
+    methods = tuple(as_layer_methods(m, "patch: method") for m in method)
     if not methods:
         raise LeapQuantError("patch: no method given")
     if not isinstance(model, torch.nn.Module):
@@ -340,6 +350,9 @@ def patch(
             f"{type(model).__name__} has no supported linear-attention layers "
             f"(supported: {', '.join(SUPPORTED_LAYERS)})"
         )
+    linear = [idx for idx, _ in linear_attention_layers(model)]
+    for plan in methods:
+        plan.check_layers(linear)
     unpatch(model)
     patched = LeapQuantPatch(model, methods, backend)
     model._leapquant_patch = patched

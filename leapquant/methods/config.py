@@ -13,6 +13,10 @@ A method name is ``CODEC[/wP][+OPTION]...``:
 * ``+sr`` rounds the state stochastically.
 
 Aliases name the configurations the paper evaluates; :func:`method_names` lists them all.
+
+``leapquant-auto`` is a policy, not a method: it picks a method per layer on a calibration trace
+(:mod:`leapquant.methods.auto`, ``leapquant calibrate``) and yields a
+:class:`~leapquant.methods.layer_plan.LayerPlan`; ``parse_method`` refuses it with that hint.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from ..formats.base import StateFormat
 __all__ = [
     "ALIASES",
     "BASELINE_METHODS",
+    "POLICY_NAMES",
     "MethodConfig",
     "as_method",
     "method_names",
@@ -66,6 +71,9 @@ BASELINE_METHODS = (
     "quarot-int4",
     "turboquant-4",
 )
+
+# Names of per-layer policies (methods/auto.py): they need a model to calibrate on, so no MethodConfig.
+POLICY_NAMES = ("leapquant-auto",)
 
 RECORD_PRECISIONS = {"fp32": 4, "fp16": 2, "bf16": 2}
 _OPTION = re.compile(r"^(ct(\d+)|it(\d+)|svd|smooth|sr|rec(16|bf16|32))$")
@@ -189,6 +197,16 @@ class MethodConfig:
 
 def parse_method(name: str) -> MethodConfig:
     """Parse a method name (see the module docstring) into a :class:`MethodConfig`."""
+    if name.strip() in POLICY_NAMES:
+        raise LeapQuantError(
+            f"{name.strip()} chooses a method per layer on a calibration trace: run `leapquant calibrate "
+            "--model DIR --out plan.json` (or leapquant.calibrate_model) and pass the plan file"
+        )
+    if name.strip().endswith(".json"):
+        raise LeapQuantError(
+            f"{name.strip()} names a layer plan, not one method: leapquant.patch, `leapquant eval -m` and "
+            "`leapquant memory --method` take plans; this entry point takes one method for every layer"
+        )
     text = ALIASES.get(name.strip(), name.strip())
     head, *options = text.split("+")
     codec, window = head, 1

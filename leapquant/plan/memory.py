@@ -16,6 +16,10 @@ Per request (one decode slot) a hybrid model holds, for a state method ``M`` and
   the boundary state only (payload, scales, smoothing, compensator tokens; no record buffer): at an
   interval that is a multiple of the window ``P`` the window closes exactly on the block boundary.
 
+``method`` may be a :class:`~leapquant.methods.LayerPlan` (or its ``.json`` file: ``leapquant calibrate``):
+each linear layer is then counted under its own method, with the same accounting, and the state buffers of a
+mixed plan are named ``NAME[METHOD]`` with ``count`` the number of layers under that method.
+
 The requests that fit are ``floor((gpu_memory - weights - reserve) / per_request)``; ``reserve`` stands for
 activations, CUDA graphs and allocator slack (default 10% of the GPU, vLLM's default
 ``--gpu-memory-utilization 0.9``).  Sizes in bytes; ``gpu_memory_gib`` and ``reserve_gib`` in GiB (2**30).
@@ -33,8 +37,17 @@ from .models import HybridShape
 
 if TYPE_CHECKING:  # the method grammar imports torch: the planner loads it on first use
     from ..methods.config import MethodConfig
+    from ..methods.layer_plan import LayerPlan
 
-__all__ = ["DTYPE_BYTES", "BufferSpec", "MemoryPlan", "buffer_plan", "plan_memory", "state_layout"]
+__all__ = [
+    "DTYPE_BYTES",
+    "BufferSpec",
+    "MemoryPlan",
+    "buffer_plan",
+    "layer_methods",
+    "plan_memory",
+    "state_layout",
+]
 
 GIB = 2**30
 DTYPE_BYTES = {
@@ -138,7 +151,7 @@ def _check_accounting(shape, method, cfg, specs, slots) -> None:
 
 def buffer_plan(
     shape: HybridShape,
-    method: str | MethodConfig,
+    method: str | MethodConfig | LayerPlan,
     *,
     batch: int,
     context: int,
@@ -149,9 +162,7 @@ def buffer_plan(
     weights: bool = True,
 ) -> list[BufferSpec]:
     """Every buffer of ``batch`` requests at ``context`` tokens: weights, state, conv, KV, checkpoints."""
-    from ..methods.config import as_method
-
-    method = as_method(method)
+    groups = layer_methods(shape, method)
     for name, value in (("batch", batch), ("context", context)):
         if value < 1:
             raise LeapQuantError(f"{name} must be >= 1, got {value}")
@@ -166,8 +177,11 @@ def buffer_plan(
     out: list[BufferSpec] = []
     if weights:
         out += [BufferSpec("weights", n, s, w_t) for n, s in shape.weight_tensors()]
-    kind, specs = state_layout(shape, method, batch)
-    out += [BufferSpec("state", n, s, d, n_lin) for n, s, d in specs]
+    mixed = len(groups) > 1
+    kinds = {}
+    for cfg, layers in groups.items():
+        kinds[cfg], specs = state_layout(shape, cfg, batch)
+        out += [BufferSpec("state", _tag(n, cfg, mixed), s, d, layers) for n, s, d in specs]
     conv = (shape.conv_dim, shape.conv_kernel - 1)
     out.append(BufferSpec("conv", "conv", (batch, *conv), conv_t, n_lin))
     if n_full:
@@ -179,11 +193,45 @@ def buffer_plan(
     n_ckpt = context // prefix_interval if prefix_interval else 0
     if n_ckpt:
         slots = batch * n_ckpt
-        _, cspecs = state_layout(shape, method, slots)
-        keep = BOUNDARY if kind == "pool" else ("state", "scale", "payload")
-        out += [BufferSpec("checkpoint_state", n, s, d, n_lin) for n, s, d in cspecs if n in keep]
+        for cfg, layers in groups.items():
+            _, cspecs = state_layout(shape, cfg, slots)
+            keep = BOUNDARY if kinds[cfg] == "pool" else ("state", "scale", "payload")
+            out += [
+                BufferSpec("checkpoint_state", _tag(n, cfg, mixed), s, d, layers)
+                for n, s, d in cspecs
+                if n in keep
+            ]
         out.append(BufferSpec("checkpoint_conv", "conv", (slots, *conv), conv_t, n_lin))
     return out
+
+
+def layer_methods(shape: HybridShape, method: str | MethodConfig | LayerPlan) -> dict[MethodConfig, int]:
+    """``{method: number of linear layers under it}`` for ``shape``'s linear-attention layers.
+
+    A plan that differs between layers needs the model's layer pattern (``shape.full_layer_ids``) to know
+    which layer is which; it must name a method for every linear layer and no other layer.
+    """
+    from ..methods.layer_plan import as_layer_methods
+
+    plan = as_layer_methods(method)
+    if plan.is_uniform:
+        return {plan.methods()[0]: shape.linear_layers}
+    if not shape.layer_types:
+        raise LeapQuantError(
+            f"model {shape.name}: its layer pattern is not known, so a plan with a method per layer "
+            f"({plan.name}) cannot be placed; use a preset or a config.json"
+        )
+    linear = [i for i, t in enumerate(shape.layer_types) if t == "linear"]
+    plan.check_layers(linear)
+    counts: dict[MethodConfig, int] = {}
+    for i in linear:
+        cfg = plan.for_layer(i)
+        counts[cfg] = counts.get(cfg, 0) + 1
+    return counts
+
+
+def _tag(name: str, cfg: MethodConfig, mixed: bool) -> str:
+    return f"{name}[{cfg.name}]" if mixed else name
 
 
 @dataclass(frozen=True)
@@ -241,7 +289,7 @@ class MemoryPlan:
 
 def plan_memory(
     shape: HybridShape,
-    method: str | MethodConfig,
+    method: str | MethodConfig | LayerPlan,
     *,
     context: int,
     gpu_memory_gib: float,
@@ -250,9 +298,8 @@ def plan_memory(
     kv_dtype: str = "bf16",
     weight_dtype: str = "bf16",
 ) -> MemoryPlan:
-    """The :class:`MemoryPlan` of ``method`` (a name or a :class:`MethodConfig`) on ``shape`` (see the module
-    docstring for what is counted)."""
-    from ..methods.config import as_method
+    """The :class:`MemoryPlan` of ``method`` (a name, a :class:`MethodConfig` or a layer plan) on ``shape``
+    (see the module docstring for what is counted)."""
 
     if not gpu_memory_gib > 0:
         raise LeapQuantError(f"gpu memory must be > 0 GiB, got {gpu_memory_gib}")
@@ -260,10 +307,13 @@ def plan_memory(
         reserve_gib = DEFAULT_RESERVE_FRACTION * gpu_memory_gib
     if not 0 <= reserve_gib < gpu_memory_gib:
         raise LeapQuantError(f"reserve must be in [0, gpu memory) GiB, got {reserve_gib}")
-    name = method if isinstance(method, str) else method.name
-    cfg = as_method(method)
+    from ..methods.layer_plan import as_layer_methods
+
+    plan = as_layer_methods(method)
+    name = method if isinstance(method, str) else plan.name
+    by_method = layer_methods(shape, plan)
     buffers = buffer_plan(
-        shape, cfg, batch=1, context=context, prefix_interval=prefix_interval,
+        shape, plan, batch=1, context=context, prefix_interval=prefix_interval,
         kv_dtype=kv_dtype, weight_dtype=weight_dtype,
     )  # fmt: skip
     groups: dict[str, int] = {}
@@ -271,12 +321,16 @@ def plan_memory(
         groups[b.group] = groups.get(b.group, 0) + b.nbytes
     n_ckpt = context // prefix_interval if prefix_interval else 0
     ckpt_total = groups.get("checkpoint_state", 0) + groups.get("checkpoint_conv", 0)
+    decay_values = 1 if shape.decay == "scalar" else shape.d_k
+    records = {c.name: c.record_buffer_bytes(shape.d_k, shape.d_v, decay_values) for c in by_method}
     return MemoryPlan(
         model=shape.name,
         method=name,
-        config=cfg.name,
-        layout=state_layout(shape, cfg, 1)[0],
-        bytes_per_element=cfg.bytes_per_element(shape.d_k, shape.d_v),
+        config=plan.name,
+        layout="+".join(dict.fromkeys(state_layout(shape, c, 1)[0] for c in by_method)),
+        # boundary bytes per element over all linear layers (each layer's own method)
+        bytes_per_element=sum(c.bytes_per_element(shape.d_k, shape.d_v) * n for c, n in by_method.items())
+        / shape.linear_layers,
         context=context,
         prefix_interval=prefix_interval,
         checkpoints=n_ckpt,
@@ -284,20 +338,19 @@ def plan_memory(
         state_breakdown={b.name: b.nbytes for b in buffers if b.group == "state"},
         conv_bytes=groups["conv"],
         kv_bytes=groups.get("kv", 0),
-        checkpoint_bytes=ckpt_total // n_ckpt if n_ckpt else _checkpoint_bytes(shape, cfg, kv_dtype),
+        checkpoint_bytes=ckpt_total // n_ckpt if n_ckpt else _checkpoint_bytes(shape, plan, kv_dtype),
         weights_bytes=groups["weights"],
         gpu_bytes=int(gpu_memory_gib * GIB),
         reserve_bytes=int(reserve_gib * GIB),
         extra={
-            "record_buffer_bytes_per_head": cfg.record_buffer_bytes(
-                shape.d_k, shape.d_v, 1 if shape.decay == "scalar" else shape.d_k
-            ),
+            # one number for one method; per method for a mixed plan
+            "record_buffer_bytes_per_head": next(iter(records.values())) if len(records) == 1 else records,
             "state_elements": shape.linear_layers * shape.heads_v * shape.d_k * shape.d_v,
         },
     )
 
 
-def _checkpoint_bytes(shape: HybridShape, method: MethodConfig, kv_dtype: str) -> int:
+def _checkpoint_bytes(shape: HybridShape, method: MethodConfig | LayerPlan, kv_dtype: str) -> int:
     """One checkpoint's bytes when the request holds none (context shorter than the interval, or none)."""
     bufs = buffer_plan(shape, method, batch=1, context=1, prefix_interval=1, kv_dtype=kv_dtype, weights=False)
     return sum(b.nbytes for b in bufs if b.group.startswith("checkpoint"))
