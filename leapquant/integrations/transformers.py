@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..checks import require_triton
 from ..errors import LeapQuantError
 from ..methods import MethodConfig, as_method
 from .backends import make_state
@@ -327,6 +328,8 @@ def patch(
         )
     if backend not in ("auto", "reference", "reference64", "triton"):
         raise LeapQuantError(f"unknown backend {backend!r}; expected auto, reference, reference64 or triton")
+    if backend == "triton":
+        require_triton("patch: backend 'triton'")
     if not linear_attention_layers(model):
         raise LeapQuantError(
             f"{type(model).__name__} has no supported linear-attention layers "
