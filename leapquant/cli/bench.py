@@ -309,7 +309,6 @@ def run_kernel(args: argparse.Namespace) -> int:
 
     def save() -> None:  # after every row, so a run cut short still leaves its numbers
         if args.json:
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
 
     def measure(variant: Variant, case, shape) -> dict:
