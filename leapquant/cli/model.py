@@ -12,13 +12,31 @@ from ..errors import LeapQuantError
 from .args import JSON, PLOT, TRACE, count, device, input_file, output_file, typed
 
 
+def _model(text: str) -> str:
+    from ..checkpoints import resolve_model
+
+    resolve_model(text)  # fails now, before any work; the report keeps the name as given
+    return text
+
+
+def _backend(text: str) -> str:
+    if text == "triton":
+        require_triton("--backend triton")
+    return text
+
+
+model_arg = typed(_model, "model")
+backend = typed(_backend, "backend")
+TRACE_LIMIT_GIB = 1.0
+
+
 def add_parsers(sub: argparse._SubParsersAction) -> None:
-    from ..checkpoints import DEFAULT_CHECKPOINT
+    from ..checkpoints import DEFAULT_CHECKPOINT, checkpoint_names
     from ..eval.model_eval import DEFAULT_EVAL_METHODS
 
     model_help = (
         f"a shipped checkpoint's name or a transformers model folder (default {DEFAULT_CHECKPOINT}; "
-        "shipped: " + ", ".join(_checkpoint_names()) + ")"
+        "shipped: " + ", ".join(checkpoint_names()) + ")"
     )
     p = sub.add_parser(
         "eval",
@@ -35,7 +53,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokens", type=count(), default=1024, help="decode steps scored (default 1024)")
     p.add_argument("--prefill", type=count(), default=64, help="prompt tokens before decoding (default 64)")
     p.add_argument(
-        "--text", metavar="FILE", type=input_file("--text"), help="evaluate on this text (default: stdlib)"
+        "--text", metavar="FILE", type=input_file("file"), help="evaluate on this text (default: stdlib)"
     )
     p.add_argument(
         "--generate", action="append", default=[], metavar="M", help="also free-run greedy M vs FP32"
@@ -85,7 +103,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "records (decay, write key, read vector, value, query) of the chosen layers and heads.",
     )
     p.add_argument("--model", default=DEFAULT_CHECKPOINT, type=model_arg, help=model_help)
-    p.add_argument("--text", metavar="FILE", type=input_file("--text"), help="text (default: stdlib source)")
+    p.add_argument("--text", metavar="FILE", type=input_file("file"), help="text (default: stdlib source)")
     p.add_argument("--tokens", type=count(2), default=2048, help="tokens recorded (default 2048)")
     p.add_argument("--layers", help="comma-separated layer indices (default: every linear-attention layer)")
     p.add_argument("--heads", help="comma-separated value-head indices (default: all)")
@@ -97,30 +115,6 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         help=f"write traces over {TRACE_LIMIT_GIB:g} GiB (the size is printed before recording)",
     )
     p.set_defaults(run=run_trace)
-
-
-def _checkpoint_names() -> list[str]:
-    from ..checkpoints import checkpoint_names
-
-    return checkpoint_names()
-
-
-def _model(text: str) -> str:
-    from ..checkpoints import resolve_model
-
-    resolve_model(text)  # fails now, before any work; the report keeps the name as given
-    return text
-
-
-def _backend(text: str) -> str:
-    if text == "triton":
-        require_triton("--backend triton")
-    return text
-
-
-model_arg = typed(_model, "model")
-backend = typed(_backend, "backend")
-TRACE_LIMIT_GIB = 1.0
 
 
 def cpu_note(device: str) -> None:
