@@ -323,8 +323,10 @@ def patch(
     if not methods:
         raise LeapQuantError("patch: no method given")
     if not isinstance(model, torch.nn.Module):
+        hint = " (load it with AutoModelForCausalLM.from_pretrained)" if isinstance(model, str) else ""
         raise LeapQuantError(
             f"patch: model must be a loaded transformers model (torch.nn.Module), got {type(model).__name__}"
+            + hint
         )
     if backend not in ("auto", "reference", "reference64", "triton"):
         raise LeapQuantError(f"unknown backend {backend!r}; expected auto, reference, reference64 or triton")
