@@ -321,6 +321,7 @@ def _trace_bytes(model: str, layers: list[int] | None, heads: list[int] | None, 
 
 def run_trace(args: argparse.Namespace) -> int:
     from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from ..eval.model_eval import load_model, record_trace
     from ..eval.provenance import provenance
@@ -338,7 +339,16 @@ def run_trace(args: argparse.Namespace) -> int:
     text, source = _read_text(args.text)
     cpu_note(args.device)
     model, tokenizer = load_model(args.model, args.device)
-    with Console(stderr=True).status(f"running {args.tokens} tokens through the model (one pass)"):
+    # one forward pass over the whole text: no step count to show, so a spinner and the time it has taken
+    spinner = Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    )
+    with spinner:
+        spinner.add_task(f"running {args.tokens} tokens through the model", total=None)
         records, meta = record_trace(
             model, tokenizer, args.tokens, text=text, text_source=source, layers=layers, heads=heads
         )
