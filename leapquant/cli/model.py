@@ -292,7 +292,7 @@ def run_eval_report(args: argparse.Namespace) -> int:
 
             reports = [merge_reports(reports)]
         markdown = [eval_markdown(report) for report in reports]
-    except (KeyError, TypeError, ValueError) as exc:  # a report with the keys but not their contents
+    except (KeyError, TypeError) as exc:  # a report with the keys but not their contents
         raise LeapQuantError(
             f"not a well-formed `leapquant eval` report ({type(exc).__name__}: {exc})"
         ) from None
