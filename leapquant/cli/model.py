@@ -309,14 +309,26 @@ def run_eval_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def _trace_bytes(model: str, layers: list[int] | None, heads: list[int] | None, tokens: int) -> int:
-    """Bytes of the float32 records a trace holds (before compression): a, k, b, q of d_k and v of d_v."""
+def _trace_bytes(model: str, layers: list[int] | None, heads: list[int] | None, tokens: int) -> int | None:
+    """Bytes of the float32 records a trace holds (before compression): a, k, b, q of d_k and v of d_v;
+    ``None`` when the planner cannot read the model's config (the records are then measured instead)."""
     from ..checkpoints import resolve_model
     from ..plan import load_shape
 
-    shape = load_shape(str(resolve_model(model)))
+    try:
+        shape = load_shape(str(resolve_model(model)))
+    except LeapQuantError:
+        return None
     streams = (len(layers) if layers else shape.linear_layers) * (len(heads) if heads else shape.heads_v)
     return streams * tokens * (4 * shape.d_k + shape.d_v) * 4
+
+
+def _check_trace_size(size: int, tokens: int, allow_large: bool) -> None:
+    if size > TRACE_LIMIT_GIB * 2**30 and not allow_large:
+        raise LeapQuantError(
+            f"trace: {tokens} tokens make about {size / 2**30:.1f} GiB of records; pass --allow-large to "
+            "write it, or fewer --tokens, --layers or --heads"
+        )
 
 
 def run_trace(args: argparse.Namespace) -> int:
@@ -329,13 +341,10 @@ def run_trace(args: argparse.Namespace) -> int:
 
     layers, heads = _int_list(args.layers, "layers"), _int_list(args.heads, "heads")
     size = _trace_bytes(args.model, layers, heads, args.tokens)
-    gib = size / 2**30
-    if gib > TRACE_LIMIT_GIB and not args.allow_large:
-        raise LeapQuantError(
-            f"trace: {args.tokens} tokens make about {gib:.1f} GiB of records; pass --allow-large to write "
-            "it, or fewer --tokens, --layers or --heads"
-        )
-    print(f"recording {args.tokens} tokens into {args.out} (up to {gib * 1024:,.0f} MiB before compression)")
+    if size is not None:
+        _check_trace_size(size, args.tokens, args.allow_large)
+    expected = f" (up to {size / 2**20:,.0f} MiB before compression)" if size is not None else ""
+    print(f"recording {args.tokens} tokens into {args.out}{expected}")
     text, source = _read_text(args.text)
     cpu_note(args.device)
     model, tokenizer = load_model(args.model, args.device)
@@ -352,6 +361,9 @@ def run_trace(args: argparse.Namespace) -> int:
         records, meta = record_trace(
             model, tokenizer, args.tokens, text=text, text_source=source, layers=layers, heads=heads
         )
+    if size is None:
+        size = sum(getattr(records, n).numel() * 4 for n in ("a", "k", "b", "v", "q"))
+        _check_trace_size(size, args.tokens, args.allow_large)
     meta.update(model=str(args.model), provenance=provenance())
     path = save_trace(args.out, records, None, meta)
     mib = path.stat().st_size / 2**20
