@@ -2,7 +2,8 @@
 
 Importing the package is cheap: submodules load on first use, no GPU is touched and no Triton kernel is
 compiled.  The names below are the main entry points; everything else lives in the subpackages
-(``formats``, ``recurrences``, ``methods``, ``traces``, ``eval``).
+(``formats``, ``recurrences``, ``methods``, ``traces``, ``eval``); the shipped checkpoints are found by
+name with ``checkpoint_path``.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ _LAZY = {
     "save_trace": "leapquant.traces",
     "simulate": "leapquant.eval",
     "patch": "leapquant.integrations",
+    "checkpoint_path": "leapquant.checkpoints",
+    "checkpoint_names": "leapquant.checkpoints",
     "unpatch": "leapquant.integrations",
     "calibrate_model": "leapquant.integrations",
 }

@@ -31,7 +31,7 @@ bits4a="-m int4 -m mxfp4 -m nvfp4 -m kvquant-int4"; bits4b="-m quarot-int4 -m tu
 pids=()
 for model in ${MODELS:-qwen35-gdn-hybrid-byte kimi-kda-hybrid-byte}; do
   for table in ${TABLES:-table2 bits8a bits8b bits6a bits6b bits4a bits4b}; do
-    timeout "${EVAL_SECONDS:-480}" python3 -m leapquant eval --model "checkpoints/$model" ${!table} \
+    timeout "${EVAL_SECONDS:-480}" python3 -m leapquant eval --model "$model" ${!table} \
       --tokens "$tokens" --quiet --json "$out/eval-$model-$table.json" > "$out/eval-$model-$table.log" 2>&1 &
     pids+=($!)
   done

@@ -93,7 +93,7 @@ def bad_traces(tmp_path):
         ("nan", write_npz(tmp_path / "n.npz", **nan), "NaN or Inf at index (1, 3, 2)"),
         ("int", write_npz(tmp_path / "i.npz", **dict(good, a=np.ones((2, 40, 8), dtype=np.int32))), "dtype"),
         ("s0", write_npz(tmp_path / "z.npz", **dict(good, S0=np.zeros((2, 6, 8)))), "S0 has shape"),
-        ("notnpz", str(tmp_path / "t.txt"), "not a readable .npz"),
+        ("notnpz", str(tmp_path / "t.txt"), "expected a .npz file, got .txt"),
         ("nofile", str(tmp_path / "absent.npz"), "no such file"),
     ]
 

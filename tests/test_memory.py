@@ -167,17 +167,18 @@ def test_preset_patterns_and_decode_fields():
     "arch, name", [("qwen35", "qwen35-gdn-hybrid-byte"), ("kimi", "kimi-kda-hybrid-byte")]
 )
 def test_byte_hybrid_configs_are_the_shipped_checkpoints(arch, name):
-    """plan's byte-hybrid shapes (which scripts/train_checkpoints.py trains) are those of checkpoints/: the
+    """plan's byte-hybrid shapes (which scripts/train_checkpoints.py trains) are the shipped checkpoints': the
     saved config.json parses to the same shape (Kimi's all-dense ``mlp_layer_types`` included) and the same
     parameter count as the shipped weights."""
     from dataclasses import replace
 
+    from leapquant import checkpoint_path
     from leapquant.plan.presets import byte_hybrid_config
 
-    shipped = load_shape(str(ROOT / "checkpoints" / name))
+    shipped = load_shape(name)  # a shipped checkpoint, by name
     ours = shape_from_config(byte_hybrid_config(arch))
     assert replace(ours, name="", source="") == replace(shipped, name="", source="")
-    stats = json.loads((ROOT / "checkpoints" / name / "decay_stats.json").read_text())
+    stats = json.loads((checkpoint_path(name) / "decay_stats.json").read_text())
     assert shipped.params == stats["params"] and shipped.dense_layers == shipped.layers
     tiny = shape_from_config(byte_hybrid_config(arch, tiny=True))
     assert tiny.layers == 4 and tiny.full_layer_ids == (3,)

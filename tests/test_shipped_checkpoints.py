@@ -1,4 +1,4 @@
-"""The checkpoints shipped under checkpoints/ (trained on the H200 by scripts/train_checkpoints.py).
+"""The checkpoints shipped in leapquant/checkpoints/ (trained on the H200 by scripts/train_checkpoints.py).
 
 They load offline, ``fp32`` through the patch is the unpatched model, and on 2K teacher-forced tokens of
 held-out standard-library source per-step INT8 drifts clearly more than LeapQuant INT8: in KL against FP32
@@ -17,20 +17,41 @@ import torch
 import leapquant
 from leapquant.eval.model_eval import DEFAULT_MODEL, EvalConfig, evaluate_model, load_model
 
-ROOT = Path(__file__).resolve().parents[1] / "checkpoints"
 CHECKPOINTS = ["qwen35-gdn-hybrid-byte", "kimi-kda-hybrid-byte"]
 
 
 @pytest.fixture(scope="module", params=CHECKPOINTS)
 def shipped(request):
-    path = ROOT / request.param
+    path = leapquant.checkpoint_path(request.param)
     assert (path / "model.safetensors").stat().st_size < 15 * 2**20
     model, tok = load_model(path, "cpu")
     return request.param, path, model, tok
 
 
-def test_default_model_is_shipped():
-    assert DEFAULT_MODEL == ROOT / "qwen35-gdn-hybrid-byte" and (DEFAULT_MODEL / "config.json").is_file()
+def test_checkpoints_are_found_by_name():
+    """The registry is the folders that hold a config.json; names resolve, typos get a hint."""
+    assert leapquant.checkpoint_names() == sorted(CHECKPOINTS)
+    assert leapquant.checkpoint_path("qwen35-gdn-hybrid-byte") == DEFAULT_MODEL
+    assert (DEFAULT_MODEL / "config.json").is_file()
+    with pytest.raises(leapquant.LeapQuantError, match="did you mean 'kimi-kda-hybrid-byte'"):
+        leapquant.checkpoint_path("kimi-kda-hybrid")
+
+
+def test_a_new_folder_is_a_new_checkpoint(tmp_path, monkeypatch):
+    """Adding a checkpoint is adding a folder: nothing else lists them (a folder without config.json is not
+    one); a user's own folder wins over a shipped name."""
+    import leapquant.checkpoints as registry
+
+    for name in ("new-byte-hybrid", "notes"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "new-byte-hybrid" / "config.json").write_text("{}")
+    monkeypatch.setattr(registry, "_ROOT", tmp_path)
+    assert registry.checkpoint_names() == ["new-byte-hybrid"]
+    assert registry.resolve_model("new-byte-hybrid") == tmp_path / "new-byte-hybrid"
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "config.json").write_text("{}")
+    assert registry.resolve_model("mine") == Path("mine")
 
 
 def test_cards_report_long_memory_heads(shipped):

@@ -7,7 +7,9 @@ import json
 from pathlib import Path
 
 from ..bench import H200_COPY_GBPS, H200_GEMM_TFLOPS
+from ..checks import read_json
 from ..errors import LeapQuantError
+from .args import JSON, MD, PLOT, count, input_file, output_file
 
 # Variants that make the paper's Table 2 kernel column, plus our other formats and a step-only breakdown.
 MAIN = (
@@ -47,19 +49,23 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     )
     k.add_argument("--family", default="gdn,kda", help="comma list of gdn, kda (default both)")
     k.add_argument("--n", default="64,128,256,512,1024", help="comma list of batch sizes")
-    k.add_argument("--heads", type=int, default=32, help="value heads HV (default 32)")
-    k.add_argument("--gdn-key-heads", type=int, default=16, help="GDN query/key heads (Qwen3.5/Next: 16)")
+    k.add_argument("--heads", type=count(), default=32, help="value heads HV (default 32)")
+    k.add_argument("--gdn-key-heads", type=count(), default=16, help="GDN query/key heads (Qwen3.5/Next: 16)")
     k.add_argument("--preset", choices=sorted(VARIANT_SETS), default="main", help="the variants to run")
     k.add_argument(
         "--variant", "-v", action="append",
         help="METHOD[:fla|:step|:triton-close|:cuda-close|:paged] instead of the preset (repeatable)",
     )  # fmt: skip
-    k.add_argument("--step-bv", type=int, default=None, help="launch: value rows per step chunk")
-    k.add_argument("--step-warps", type=int, default=None, help="launch: warps per step program")
-    k.add_argument("--step-tc-bv", type=int, default=None, help="launch: rows per tensor-core chunk")
-    k.add_argument("--step-tc-warps", type=int, default=None, help="launch: warps per tensor-core step")
-    k.add_argument("--step-tc-stages", type=int, default=None, help="launch: tensor-core step pipeline depth")
-    k.add_argument("--step-tc-maxnreg", type=int, default=None, help="launch: tensor-core step register cap")
+    k.add_argument("--step-bv", type=count(), default=None, help="launch: value rows per step chunk")
+    k.add_argument("--step-warps", type=count(), default=None, help="launch: warps per step program")
+    k.add_argument("--step-tc-bv", type=count(), default=None, help="launch: rows per tensor-core chunk")
+    k.add_argument("--step-tc-warps", type=count(), default=None, help="launch: warps per tensor-core step")
+    k.add_argument(
+        "--step-tc-stages", type=count(), default=None, help="launch: tensor-core step pipeline depth"
+    )
+    k.add_argument(
+        "--step-tc-maxnreg", type=count(), default=None, help="launch: tensor-core step register cap"
+    )
     k.add_argument(
         "--cuda-core-step", action="store_true", help="launch: the CUDA-core step even for integer residuals"
     )
@@ -74,12 +80,14 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         ":cuda-close suffix overrides it)",
     )  # fmt: skip
     k.add_argument(
-        "--close-cuda-blocks", type=int, default=None, help="launch: CUDA close blocks per SM (default 2)"
+        "--close-cuda-blocks", type=count(), default=None, help="launch: CUDA close blocks per SM (default 2)"
     )
-    k.add_argument("--close-bv", type=int, default=None, help="launch: value rows per close chunk")
-    k.add_argument("--close-warps", type=int, default=None, help="launch: warps per close program")
-    k.add_argument("--close-programs", type=int, default=None, help="launch: close programs per SM")
-    k.add_argument("--close-maxnreg", type=int, default=None, help="launch: close register cap per thread")
+    k.add_argument("--close-bv", type=count(), default=None, help="launch: value rows per close chunk")
+    k.add_argument("--close-warps", type=count(), default=None, help="launch: warps per close program")
+    k.add_argument("--close-programs", type=count(), default=None, help="launch: close programs per SM")
+    k.add_argument(
+        "--close-maxnreg", type=count(), default=None, help="launch: close register cap per thread"
+    )
     k.add_argument(
         "--tune",
         nargs="?",
@@ -98,7 +106,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     )
     k.add_argument(
         "--sweep-at",
-        type=int,
+        type=count(),
         default=None,
         metavar="N",
         help="after the variants, run the window/rank sweep (paper Table 3) at batch N",
@@ -110,20 +118,25 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         help="also profile each variant's steps (PyTorch profiler, one graph replay, or eager with "
         "--no-graph): each kernel launch's duration and place in the step",
     )
-    k.add_argument("--json", metavar="OUT", help="write all rows and provenance as JSON")
-    k.add_argument("--markdown", metavar="OUT.md", help="write the table as Markdown")
-    k.add_argument("--plot", metavar="OUT.png", help="plot speedup over FLA FP32 against batch size")
+    k.add_argument("--json", metavar="OUT", type=output_file("file", JSON), help="write rows and provenance")
+    k.add_argument("--markdown", metavar="OUT.md", type=output_file("file", MD), help="write the table")
+    k.add_argument(
+        "--plot", metavar="OUT.png", type=output_file("file", PLOT), help="speedup over FLA FP32 vs batch"
+    )
     k.set_defaults(run=run_kernel)
     _add_decode_parser(bsub)
     _add_generate_parser(bsub)
     r = bsub.add_parser("report", help="Markdown tables (and optionally the plot) from a bench kernel JSON")
-    r.add_argument("json_path", metavar="KERNEL.json")
-    r.add_argument("--n", type=int, default=512, help="batch size of the per-variant table (default 512)")
-    r.add_argument("--plot", metavar="OUT.png", help="also redraw the speedup plot")
+    r.add_argument("json_path", metavar="KERNEL.json", type=input_file("report", JSON))
+    r.add_argument("--n", type=count(), default=512, help="batch size of the per-variant table (default 512)")
+    r.add_argument("--plot", metavar="OUT.png", type=output_file("file", PLOT), help="also redraw the plot")
     r.set_defaults(run=run_report)
 
 
 def _add_generate_parser(bsub: argparse._SubParsersAction) -> None:
+    from ..checkpoints import DEFAULT_CHECKPOINT
+    from .model import model_arg
+
     g = bsub.add_parser(
         "generate",
         help="decode tokens/s of transformers generate() on a checkpoint: FP32 state vs patched methods",
@@ -131,20 +144,27 @@ def _add_generate_parser(bsub: argparse._SubParsersAction) -> None:
         "in the same run (fp32: the model's own state, unpatched); decode tokens/s with the prefill's time "
         "subtracted, median of --repeats after a warm-up (GPU).",
     )
-    g.add_argument("--model", required=True, help="a local transformers folder (e.g. a shipped checkpoint)")
+    g.add_argument(
+        "--model", default=DEFAULT_CHECKPOINT, type=model_arg,
+        help=f"a shipped checkpoint's name or a local transformers folder (default {DEFAULT_CHECKPOINT})",
+    )  # fmt: skip
     g.add_argument(
         "-m", "--method", action="append", dest="methods",
         help="a method to time beside fp32 (repeatable; default leapquant-int8)",
     )  # fmt: skip
-    g.add_argument("--batch", type=int, default=64, help="prompts decoded together (default 64)")
-    g.add_argument("--prompt-tokens", type=int, default=64, help="tokens per prompt (default 64)")
-    g.add_argument("--new-tokens", type=int, default=256, help="tokens generated per prompt (default 256)")
-    g.add_argument("--repeats", type=int, default=3, help="timed runs per method, median (default 3)")
+    g.add_argument("--batch", type=count(), default=64, help="prompts decoded together (default 64)")
+    g.add_argument("--prompt-tokens", type=count(), default=64, help="tokens per prompt (default 64)")
+    g.add_argument(
+        "--new-tokens", type=count(2), default=256, help="tokens generated per prompt (default 256)"
+    )
+    g.add_argument("--repeats", type=count(), default=3, help="timed runs per method, median (default 3)")
     g.add_argument(
         "--device", choices=("cuda", "cpu"), default="cuda",
         help="where to run (default cuda; cpu checks that it runs, its times mean nothing)",
     )  # fmt: skip
-    g.add_argument("--json", metavar="OUT", help="write the rows and provenance as JSON")
+    g.add_argument(
+        "--json", metavar="OUT", type=output_file("file", JSON), help="write the rows and provenance"
+    )
     g.set_defaults(run=run_generate)
 
 
@@ -159,8 +179,6 @@ def run_generate(args: argparse.Namespace) -> int:
         parse_method(m)  # an unknown name fails before the model loads
     case = GenerateCase(batch=args.batch, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
                         repeats=args.repeats)  # fmt: skip
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     con = console()
     if args.device == "cpu":
         con.print("running on the CPU: a check that it works; its times say nothing about a GPU")
@@ -211,7 +229,9 @@ def _add_decode_parser(bsub: argparse._SubParsersAction) -> None:
         help="star (default): every batch at --main-context plus every context at the largest batch (the "
         "paper's Figure 8 and 10); cross: every batch x context",
     )
-    d.add_argument("--main-context", type=int, default=None, help="context of the batch sweep (default 4096)")
+    d.add_argument(
+        "--main-context", type=count(), default=None, help="context of the batch sweep (default 4096)"
+    )
     d.add_argument(
         "--backends",
         nargs="+",
@@ -220,7 +240,7 @@ def _add_decode_parser(bsub: argparse._SubParsersAction) -> None:
         "(leapquant-int8); default fp32:fla bf16 leapquant-int8",
     )
     d.add_argument(
-        "--layers", type=int, default=8, help="layers of the model (default 8, real layer pattern)"
+        "--layers", type=count(), default=8, help="layers of the model (default 8, real layer pattern)"
     )
     d.add_argument(
         "--profile", action="store_true", help="torch.profiler split, ablations and roofline per config"
@@ -235,9 +255,9 @@ def _add_decode_parser(bsub: argparse._SubParsersAction) -> None:
         default="auto",
         help="our kernels: Triton (GPU or TRITON_INTERPRET=1) or the torch reference (auto: as available)",
     )
-    d.add_argument("--graph-steps", type=int, default=2, help="decode steps per CUDA graph (default 2)")
-    d.add_argument("--warmup", type=int, default=2, help="graph replays before timing (default 2)")
-    d.add_argument("--repeats", type=int, default=10, help="timed graph replays, median (default 10)")
+    d.add_argument("--graph-steps", type=count(), default=2, help="decode steps per CUDA graph (default 2)")
+    d.add_argument("--warmup", type=count(0), default=2, help="graph replays before timing (default 2)")
+    d.add_argument("--repeats", type=count(), default=10, help="timed graph replays, median (default 10)")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument(
         "--roofline-only", action="store_true",
@@ -255,9 +275,13 @@ def _add_decode_parser(bsub: argparse._SubParsersAction) -> None:
         help=f"with --roofline-only: bf16 GEMM throughput (default {H200_GEMM_TFLOPS:.0f}, the H200's "
         "measured 8192^3 matmul; a GPU run measures its own)",
     )  # fmt: skip
-    d.add_argument("--json", metavar="OUT", help="write rows, ablations, profiles and provenance as JSON")
-    d.add_argument("--markdown", metavar="OUT.md", help="write the tables as Markdown")
-    d.add_argument("--plot", metavar="OUT.png", help="throughput per configuration (paper Figure 8 style)")
+    d.add_argument(
+        "--json", metavar="OUT", type=output_file("file", JSON), help="rows, ablations, profiles, provenance"
+    )
+    d.add_argument("--markdown", metavar="OUT.md", type=output_file("file", MD), help="write the tables")
+    d.add_argument(
+        "--plot", metavar="OUT.png", type=output_file("file", PLOT), help="throughput per configuration"
+    )
     d.set_defaults(run=run_decode)
 
 
@@ -344,12 +368,15 @@ def run_kernel(args: argparse.Namespace) -> int:
         reason = str(exc)
     if reason is not None:
         raise LeapQuantError(f"--tune-variant {args.tune_variant!r}: not a pool method ({reason})")
-    if not torch.cuda.is_available():
+    families = [f for f in args.family.split(",") if f]
+    for family in families if families else [args.family]:
+        if family not in ("gdn", "kda"):
+            raise LeapQuantError(f"--family: unknown family {family!r}, expected gdn or kda")
+    sizes = _ints(args.n, "--n")
+    if not torch.cuda.is_available():  # after the checks of the input, which any machine can tell
         raise LeapQuantError(
             "bench kernel needs a CUDA GPU (kernels are tested on the CPU by pytest instead)"
         )
-    families = [f for f in args.family.split(",") if f]
-    sizes = _ints(args.n, "--n")
     overrides = {
         "step_bv": args.step_bv,
         "step_warps": args.step_warps,
@@ -380,7 +407,6 @@ def run_kernel(args: argparse.Namespace) -> int:
 
     def save() -> None:  # after every row, so a run cut short still leaves its numbers
         if args.json:
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
 
     def measure(variant: Variant, case, shape) -> dict:
@@ -531,11 +557,9 @@ def _tune(case, launch, measure, report, con, *, variant, step: bool = True, clo
 def run_report(args: argparse.Namespace) -> int:
     from ..bench.report import kernel_summary_markdown, plot_kernel
 
-    path = Path(args.json_path)
-    if not path.exists():
-        raise LeapQuantError(f"{path}: no such file")
+    path = args.json_path
+    report = read_json(path, "report")
     try:
-        report = json.loads(path.read_text())
         text = kernel_summary_markdown(report, args.n)
     except (json.JSONDecodeError, KeyError, TypeError) as exc:
         raise LeapQuantError(f"{path}: not a bench kernel report ({type(exc).__name__}: {exc})") from None

@@ -7,6 +7,8 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+from .args import JSON, count, output_file, positive_float
+
 DEFAULT_METHODS = ("fp32", "bf16", "leapquant-int8")
 MIB = 2**20
 GIB = 2**30
@@ -27,14 +29,16 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "--model",
         required=True,
         metavar="CONFIG_OR_PATH",
-        help=f"preset ({', '.join(PRESETS)}; also {', '.join(ALIASES)}) or a transformers config.json / a "
-        "directory holding one",
+        help=f"preset ({', '.join(PRESETS)}; also {', '.join(ALIASES)}), a shipped checkpoint's name, or a "
+        "transformers config.json / a directory holding one",
     )
-    p.add_argument("--gpu-memory", type=float, required=True, metavar="GiB", help="GPU memory in GiB")
-    p.add_argument("--context", type=int, required=True, metavar="N", help="tokens per request")
+    p.add_argument(
+        "--gpu-memory", type=positive_float, required=True, metavar="GiB", help="GPU memory in GiB"
+    )
+    p.add_argument("--context", type=count(), required=True, metavar="N", help="tokens per request")
     p.add_argument(
         "--prefix-cache-interval",
-        type=int,
+        type=count(),
         metavar="TOKENS",
         help="keep one recurrent + conv state checkpoint per TOKENS cached tokens (vLLM/SGLang use 1024 "
         "in their default mode); off by default",
@@ -62,7 +66,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         help="weight storage (fp8: one byte per parameter, scales not counted)",
     )
     p.add_argument("--text-only", action="store_true", help="do not load the vision tower (Qwen3.5)")
-    p.add_argument("--json", metavar="OUT", help="write the plan as JSON")
+    p.add_argument("--json", metavar="OUT", type=output_file("file", JSON), help="write the plan as JSON")
     p.set_defaults(run=run_memory)
 
 
@@ -172,6 +176,5 @@ def _write_json(args, shape, plans, base) -> None:
         "provenance": provenance(),
     }
     path = Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {path}")

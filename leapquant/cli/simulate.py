@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..errors import LeapQuantError
+from .args import JSON, PLOT, TRACE, count, input_file, output_dir, output_file
 
 DEMO_METHODS = (
     "fp32",
@@ -30,11 +31,19 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         description="Replay every stream of every TRACE through each --method in float64 and report the "
         "pooled output and state error against the exact trajectory.",
     )
-    p.add_argument("traces", nargs="+", metavar="TRACE", help=".npz trace files (see README: Trace files)")
+    p.add_argument(
+        "traces",
+        nargs="+",
+        metavar="TRACE",
+        type=input_file("trace", TRACE),
+        help=".npz trace files (`leapquant synth` or `leapquant trace` write them)",
+    )
     p.add_argument("--method", "-m", action="append", required=True, help="method name; repeat for more")
-    p.add_argument("--json", metavar="OUT", help="write the report as JSON")
-    p.add_argument("--plot", metavar="OUT.png", help="write state error against tokens as a PNG")
-    p.add_argument("--checkpoints", type=int, default=32, help="state-error checkpoints (default 32)")
+    p.add_argument("--json", metavar="OUT", type=output_file("file", JSON), help="write the report as JSON")
+    p.add_argument(
+        "--plot", metavar="OUT.png", type=output_file("file", PLOT), help="state error against tokens"
+    )
+    p.add_argument("--checkpoints", type=count(), default=32, help="state-error checkpoints (default 32)")
     p.add_argument("--seed", type=int, default=0, help="seed for stochastic rounding (default 0)")
     p.add_argument(
         "--backend",
@@ -45,33 +54,49 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=run_simulate)
 
-    p = sub.add_parser("synth", help="write a synthetic GDN or KDA trace")
-    p.add_argument("--family", choices=("gdn", "kda"), default="gdn")
-    p.add_argument("--streams", type=int, default=8)
-    p.add_argument("--tokens", type=int, default=4096)
-    p.add_argument("--dk", type=int, default=128)
-    p.add_argument("--dv", type=int, default=128)
-    p.add_argument("--long-memory", type=float, default=0.75, help="fraction of long-memory heads/channels")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", required=True, help="output .npz path")
+    p = sub.add_parser(
+        "synth",
+        help="write a synthetic GDN or KDA trace",
+        description="Write a synthetic trace (.npz) of --streams heads with long-memory channels, for "
+        "`leapquant simulate`.",
+    )
+    p.add_argument("--family", choices=("gdn", "kda"), default="gdn", help="decay form (default gdn)")
+    p.add_argument("--streams", type=count(), default=8, help="heads (default 8)")
+    p.add_argument("--tokens", type=count(), default=4096, help="records per head (default 4096)")
+    p.add_argument("--dk", type=count(), default=128, help="key dimension (default 128)")
+    p.add_argument("--dv", type=count(), default=128, help="value dimension (default 128)")
+    p.add_argument(
+        "--long-memory",
+        type=float,
+        default=0.75,
+        help="fraction of long-memory heads/channels (default 0.75)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--out", required=True, type=output_file("file", TRACE), help="the .npz file to write")
     p.set_defaults(run=run_synth)
 
     p = sub.add_parser("methods", help="list named methods with their bytes per element")
-    p.add_argument("--dk", type=int, default=128)
-    p.add_argument("--dv", type=int, default=128)
-    p.add_argument("--json", metavar="OUT", help="write the list as JSON")
+    p.add_argument("--dk", type=count(), default=128, help="key dimension of a head (default 128)")
+    p.add_argument("--dv", type=count(), default=128, help="value dimension of a head (default 128)")
+    p.add_argument("--json", metavar="OUT", type=output_file("file", JSON), help="write the list as JSON")
     p.set_defaults(run=run_methods)
 
     p = sub.add_parser(
         "demo",
         help="synthetic GDN and KDA traces through the main methods (table + plot)",
         description="The main job on an embedded default: synthesizes GDN and KDA traces with long-memory "
-        "heads and replays them through per-step and LeapQuant methods.",
+        "heads and replays them through per-step and LeapQuant methods, then writes demo.json and demo.png "
+        "into --out.",
     )
-    p.add_argument("--tokens", type=int, default=2048)
-    p.add_argument("--streams", type=int, default=4)
-    p.add_argument("--out", default="leapquant-demo", help="folder for demo.json and demo.png")
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--tokens", type=count(), default=2048, help="records per head (default 2048)")
+    p.add_argument("--streams", type=count(), default=4, help="heads per family (default 4)")
+    p.add_argument(
+        "--out",
+        default="leapquant-demo",
+        type=output_dir("folder"),
+        help="folder for demo.json and demo.png, created if missing (default ./leapquant-demo)",
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=run_demo)
 
 
@@ -155,7 +180,6 @@ def _write_outputs(report: dict, json_path: str | None, plot_path: str | None, t
     report["provenance"] = provenance()
     if json_path:
         path = Path(json_path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {path}")
     if plot_path:
@@ -168,8 +192,6 @@ def run_simulate(args: argparse.Namespace) -> int:
     from ..traces.io import load_trace
 
     traces = [load_trace(p) for p in args.traces]
-    if args.checkpoints < 1:
-        raise LeapQuantError(f"--checkpoints must be >= 1, got {args.checkpoints}")
     report = _run(traces, args.method, args.checkpoints, args.seed, args.quiet, args.backend)
     shape = ", ".join(f"{t.name}: {t.streams}x{t.records.steps}" for t in traces)
     print_report(report, f"leapquant simulate ({shape}, backend {args.backend})")
@@ -210,24 +232,30 @@ def run_methods(args: argparse.Namespace) -> int:
                 "configuration": cfg.name,
                 "what": what,
                 "bytes_per_element": cfg.bytes_per_element(args.dk, args.dv),
-                "record_buffer_bytes_per_head": cfg.record_buffer_bytes(args.dk, args.dv),
+                # the buffer holds each record's decay: one value per record for GDN, d_k for KDA
+                "record_buffer_bytes_per_head_gdn": cfg.record_buffer_bytes(args.dk, args.dv, 1),
+                "record_buffer_bytes_per_head_kda": cfg.record_buffer_bytes(args.dk, args.dv, args.dk),
             }
         )
     table = Table(title=f"methods (bytes per element for {args.dk}x{args.dv} heads)", title_justify="left")
-    for col in ("method", "configuration", "bytes/elem", "record buffer B/head", "what"):
+    columns = ("method", "configuration", "bytes/elem", "records B/head GDN", "records B/head KDA", "what")
+    for col in columns:
         table.add_column(col, justify="right" if "B" in col or "bytes" in col else "left")
     for r in rows:
         table.add_row(
             r["method"],
             r["configuration"],
             f"{r['bytes_per_element']:.4f}",
-            str(r["record_buffer_bytes_per_head"]),
+            f"{r['record_buffer_bytes_per_head_gdn']:,}",
+            f"{r['record_buffer_bytes_per_head_kda']:,}",
             r["what"],
         )
     console().print(table)
+    print("Record buffers: GDN keeps one decay value per record, KDA one per key channel.")
     print("Grammar: CODEC[/wP][+ctR][+svd][+itN][+smooth][+rec16|+recbf16|+rec32][+sr]")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
+        print(f"wrote {args.json}")
     return 0
 
 
@@ -243,6 +271,7 @@ def run_demo(args: argparse.Namespace) -> int:
     title = f"leapquant demo: synthetic GDN + KDA, {args.streams}+{args.streams} heads x {args.tokens} tokens"
     print_report(report, title)
     out = Path(args.out)
+    out.mkdir(exist_ok=True)  # its parent was checked before the run
     _write_outputs(report, str(out / "demo.json"), str(out / "demo.png"), title)
     print(f"demo finished in {time.perf_counter() - start:.1f} s")
     return 0

@@ -24,6 +24,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..checkpoints import DEFAULT_CHECKPOINT, checkpoint_path, resolve_model
+from ..checks import resolve_device
 from ..errors import LeapQuantError
 
 __all__ = [
@@ -37,7 +39,7 @@ __all__ = [
     "stdlib_text",
 ]
 
-DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "checkpoints" / "qwen35-gdn-hybrid-byte"
+DEFAULT_MODEL = checkpoint_path(DEFAULT_CHECKPOINT)
 DEFAULT_EVAL_METHODS = ("bf16", "bf16/w16", "int8", "int8/w16", "int8/w16+ct4", "leapquant-int8")
 
 
@@ -114,19 +116,17 @@ def stdlib_text(min_bytes: int) -> tuple[str, list[str]]:
 
 
 def load_model(path: str | Path, device: str = "auto"):
-    """``(model, tokenizer)`` from a local transformers folder, float32, eval mode, no network."""
+    """``(model, tokenizer)`` from a local transformers folder or a shipped checkpoint's name, float32,
+    eval mode, no network."""
     import torch
 
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise LeapQuantError(f"no model at {path} (expected a transformers folder with config.json)")
+    path = resolve_model(path)
+    device = resolve_device(device)
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
 
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     return model.to(device).eval(), tokenizer

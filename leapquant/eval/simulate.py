@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..checks import require_triton
 from ..errors import LeapQuantError
 from ..methods.config import MethodConfig, as_method
 from ..methods.window import WindowedState
@@ -179,6 +180,8 @@ def simulate(
             raise LeapQuantError("simulate: a method is listed twice")
         configs = {m: as_method(m, "simulate: method") for m in methods}
     methods = list(configs)
+    if backend == "triton":
+        require_triton("simulate: backend 'triton'")  # before the exact trajectories, not after them
     for trace in traces:
         trace.records.check_finite()
         s0 = trace.initial_state

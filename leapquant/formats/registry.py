@@ -54,8 +54,12 @@ _NVFP = {"nvfp4": E2M1, "nvfp6": E2M3}
 _INT = re.compile(r"int(\d+)(?:-(.+))?")
 
 
+class UnknownFormat(LeapQuantError):
+    """A name that belongs to no format family (a method name wraps it with its own hint)."""
+
+
 def _unknown(name: str) -> LeapQuantError:
-    return LeapQuantError(f"unknown format {name!r}: {_FAMILIES}")
+    return UnknownFormat(f"unknown format {name!r}: {_FAMILIES}")
 
 
 def _granularity(name: str, text: str | None):

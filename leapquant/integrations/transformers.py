@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..checks import require_triton
 from ..errors import LeapQuantError
 from ..methods import LayerPlan, MethodConfig, as_layer_methods, as_method
 from .backends import make_state
@@ -340,11 +341,15 @@ def patch(
     if not methods:
         raise LeapQuantError("patch: no method given")
     if not isinstance(model, torch.nn.Module):
+        hint = " (load it with AutoModelForCausalLM.from_pretrained)" if isinstance(model, str) else ""
         raise LeapQuantError(
             f"patch: model must be a loaded transformers model (torch.nn.Module), got {type(model).__name__}"
+            + hint
         )
     if backend not in ("auto", "reference", "reference64", "triton"):
         raise LeapQuantError(f"unknown backend {backend!r}; expected auto, reference, reference64 or triton")
+    if backend == "triton":
+        require_triton("patch: backend 'triton'")
     if not linear_attention_layers(model):
         raise LeapQuantError(
             f"{type(model).__name__} has no supported linear-attention layers "

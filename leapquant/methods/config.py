@@ -25,8 +25,10 @@ import re
 from dataclasses import dataclass
 from functools import cached_property
 
-from ..errors import LeapQuantError
+from ..checks import check_count
+from ..errors import LeapQuantError, did_you_mean
 from ..formats.base import StateFormat
+from ..formats.registry import UnknownFormat, format_names
 
 __all__ = [
     "ALIASES",
@@ -174,6 +176,7 @@ class MethodConfig:
 
     def bytes_per_element(self, d_k: int, d_v: int) -> float:
         """Stored bytes per state element at a window boundary: residual, scales, smoothing, compensators."""
+        check_count("d_k", d_k), check_count("d_v", d_v)
         elements = d_k * d_v
         total = self.format.bytes_per_element(d_k, d_v)
         if self.smoothing:
@@ -188,6 +191,7 @@ class MethodConfig:
         ``decay_values`` is the number of decay values per record (1 for a scalar decay such as GDN's,
         ``d_k`` for KDA; default ``d_k``).  A per-step method buffers nothing.
         """
+        check_count("d_k", d_k), check_count("d_v", d_v)
         if self.window == 1:
             return 0
         rec = RECORD_PRECISIONS[self.records]
@@ -223,7 +227,7 @@ def parse_method(name: str) -> MethodConfig:
         if not m:
             raise LeapQuantError(
                 f"method {name!r}: unknown option +{opt} (use +ctR, +svd, +itN, +smooth, +rec16, +recbf16, "
-                "+rec32, +sr)"
+                "+rec32, +sr)" + did_you_mean(opt, ("smooth", "svd", "sr", "rec16", "recbf16", "rec32"))
             )
         if m.group(2):
             fields["compensators"] = int(m.group(2))
@@ -239,7 +243,16 @@ def parse_method(name: str) -> MethodConfig:
             fields["record_precision"] = {"16": "fp16", "bf16": "bf16", "32": "fp32"}[m.group(4)]
     if ("fit" in fields or "power_iters" in fields) and not fields.get("compensators"):
         raise LeapQuantError(f"method {name!r}: +svd and +itN need compensator tokens (+ctR)")
-    return MethodConfig(**fields)
+    try:
+        return MethodConfig(**fields)
+    except UnknownFormat:
+        known = [n for n, _ in method_names()] + format_names()
+        raise LeapQuantError(
+            f"unknown method {name!r}: CODEC must be an alias "
+            f"({', '.join(ALIASES)}), a baseline (kvquant-intN, quarot-intN, turboquant-N) or a format "
+            "(fp32, bf16, fp16, intN[-GRAN], fp8-e4m3, mxfp8/6/4, nvfp4/6, ...): see `leapquant methods`"
+            + did_you_mean(codec, known)
+        ) from None
 
 
 def as_method(method: str | MethodConfig, what: str = "method") -> MethodConfig:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from ..checks import check_count
 from ..errors import LeapQuantError
 from .compensators import fit_compensators
 from .config import MethodConfig
@@ -59,6 +60,15 @@ class WindowedState:
         device: torch.device | str = "cpu",
         generator: torch.Generator | None = None,
     ) -> None:
+        if not isinstance(config, MethodConfig):
+            raise LeapQuantError(
+                f"WindowedState: config must be a MethodConfig (leapquant.parse_method(name)), "
+                f"got {type(config).__name__}"
+            )
+        for name, value in (("batch", batch), ("d_k", d_k), ("d_v", d_v)):
+            check_count(f"WindowedState: {name}", value)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise LeapQuantError(f"WindowedState: dtype must be a floating-point torch dtype, got {dtype}")
         self.config = config
         self.codec = config.format
         self.batch, self.d_k, self.d_v = batch, d_k, d_v

@@ -14,11 +14,10 @@ the other three are known only by their names (35 B, 80 B, 48 B total parameters
 
 from __future__ import annotations
 
-import difflib
 from dataclasses import replace
 from pathlib import Path
 
-from ..errors import LeapQuantError
+from ..errors import LeapQuantError, did_you_mean
 from .models import HybridShape, periodic_layer_types, read_config, shape_from_config
 
 __all__ = ["ALIASES", "BYTE_VOCAB", "PRESETS", "byte_hybrid_config", "load_shape", "resolve_preset"]
@@ -200,30 +199,32 @@ def _key(name: str) -> str:
     return ALIASES.get(key, key)
 
 
-def _did_you_mean(name: str) -> str:
-    close = difflib.get_close_matches(_key(name), [*PRESETS, *ALIASES], n=1, cutoff=0.6)
-    return f"; did you mean {ALIASES.get(close[0], close[0])!r}?" if close else ""
-
-
 def resolve_preset(name: str) -> str:
     """The canonical preset name for ``name`` (case-insensitive; Hugging Face ids and aliases work)."""
     key = _key(name)
     if key not in PRESETS:
-        raise LeapQuantError(f"unknown model {name!r}{_did_you_mean(name)} (presets: {', '.join(PRESETS)})")
+        raise LeapQuantError(
+            f"unknown model {name!r}{did_you_mean(_key(name), PRESETS)} (presets: {', '.join(PRESETS)})"
+        )
     return key
 
 
 def load_shape(model: str) -> HybridShape:
-    """A preset by name (as :func:`resolve_preset`) or a config.json / a directory holding one."""
+    """A preset by name (as :func:`resolve_preset`), a shipped checkpoint's name, or a config.json / a
+    directory holding one."""
+    from ..checkpoints import checkpoint_names, checkpoint_path
+
     if _key(model) in PRESETS:
         return PRESETS[_key(model)]
     path = Path(model).expanduser()
+    if not path.exists() and model in checkpoint_names():
+        path = checkpoint_path(model)
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
         raise LeapQuantError(
             f"model {model!r}: not a preset ({', '.join(PRESETS)}) and no config.json at {path}"
-            + _did_you_mean(model)
+            + did_you_mean(_key(model), PRESETS)
         )
     return shape_from_config(read_config(path), name=str(path), source=str(path))
 

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..checks import check_input_file, check_output_file
 from ..errors import LeapQuantError
 from ..recurrences.records import Records
 
@@ -57,7 +58,8 @@ def save_trace(
     initial_state: torch.Tensor | None = None,
     meta: dict | None = None,
 ) -> Path:
-    """Write records with leading stream dims (flattened to ``S``) to ``path`` (``.npz``)."""
+    """Write records with leading stream dims (flattened to ``S``) to ``path``, a ``.npz`` file in an
+    existing folder."""
     flat = records.flatten() if records.k.ndim > 2 else records
     arrays = {n: getattr(flat, n).detach().cpu().numpy() for n in _REQUIRED}
     if initial_state is not None:
@@ -67,22 +69,24 @@ def save_trace(
     if records.readout != "post":
         arrays["readout"] = np.array(records.readout)
     arrays["meta"] = np.array(json.dumps(meta or {}))
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path = check_output_file(path, "trace", (".npz",))
     np.savez_compressed(path, **arrays)
-    return path if path.suffix == ".npz" else path.with_name(path.name + ".npz")
+    return path
 
 
 def load_trace(path: str | Path) -> Trace:
     """Read and validate a trace; every problem raises a one-line :class:`LeapQuantError`."""
-    path = Path(path)
-    if not path.exists():
-        raise LeapQuantError(f"trace {path}: no such file")
+    path = check_input_file(path, "trace")
     try:
-        with np.load(path, allow_pickle=False) as data:
-            arrays = {key: data[key] for key in data.files}
+        data = np.load(path, allow_pickle=False)
+        # np.load goes by content, not name: a .npy (renamed or not) comes back as one array
+        if isinstance(data, np.lib.npyio.NpzFile):
+            with data:
+                arrays = {key: data[key] for key in data.files}
     except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
         raise LeapQuantError(f"trace {path}: not a readable .npz file ({exc.__class__.__name__})") from None
+    if not isinstance(data, np.lib.npyio.NpzFile):
+        raise LeapQuantError(f"trace {path}: holds a single .npy array, not a .npz trace (see save_trace)")
     missing = [key for key in _REQUIRED if key not in arrays]
     if missing:
         raise LeapQuantError(f"trace {path}: missing array(s) {', '.join(missing)} (needs a, k, b, v, q)")
