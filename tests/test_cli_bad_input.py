@@ -147,6 +147,23 @@ CASES = [
     ("bench-report-memory", ["bench", "report", "memory.json"], "not a bench kernel report"),
     ("bench-report-ext", ["bench", "report", "garbage.npz"], "expected a .json file, got .npz"),
     ("bench-report-missing", ["bench", "report", "absent.json"], "absent.json: no such file"),
+    ("roofline-copy", ["bench", "decode", "--roofline-only", "--copy-gbps", "-1"], "copy bandwidth must be"),
+    ("roofline-gpu-run", ["bench", "decode", "--tiny", "--gemm-tflops", "9"], "apply to --roofline-only"),
+    ("generate-model", ["bench", "generate", "--model", "kimi-kda"], "'kimi-kda-hybrid-byte'?"),
+    ("generate-method", ["bench", "generate", "-m", "leapqant-int8"], "did you mean 'leapquant-int8'"),
+    ("generate-batch", ["bench", "generate", "--batch", "0"], "--batch: must be >= 1"),
+    ("generate-tokens", ["bench", "generate", "--new-tokens", "1"], "--new-tokens: must be >= 2"),
+    ("generate-json", ["bench", "generate", "--json", f"{GONE}.json"], "gone does not exist"),
+    # calibrate
+    ("calibrate-no-out", ["calibrate"], "required: --out"),
+    ("calibrate-out", ["calibrate", "--out", f"{GONE}.json"], "gone does not exist"),
+    ("calibrate-ext", ["calibrate", "--out", "plan.npz"], "expected a .json file"),
+    ("calibrate-model", ["calibrate", "--out", "p.json", "--model", "kimi-kda"], "'kimi-kda-hybrid-byte'?"),
+    ("calibrate-tokens", ["calibrate", "--out", "p.json", "--tokens", "0"], "--tokens: must be >= 2"),
+    ("calibrate-budget", ["calibrate", "--out", "p.json", "--budget", "-1"], "finite number > 0"),
+    ("calibrate-text", ["calibrate", "--out", "p.json", "--text", "absent.txt"], "absent.txt: no such file"),
+    ("calibrate-candidate", ["calibrate", "--out", "p.json", "-c", "int9"], "unknown format 'int9'"),
+    ("calibrate-device", ["calibrate", "--out", "p.json", "--device", "tpu"], "unknown device 'tpu'"),
 ]
 
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..errors import LeapQuantError
-
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
-    from ..eval.model_eval import DEFAULT_MODEL
+    from ..checkpoints import DEFAULT_CHECKPOINT
     from ..methods.auto import AUTO_CANDIDATES, AutoPolicy
+    from .args import JSON, count, device, input_file, output_file, positive_float
+    from .model import model_arg
 
     default = AutoPolicy()
     p = sub.add_parser(
@@ -21,17 +21,29 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "keep per layer the cheapest candidate within --budget (the most accurate where none is). The plan "
         "goes to `leapquant eval -m PLAN.json`, `leapquant memory --method PLAN.json` and leapquant.patch.",
     )
-    p.add_argument("--model", default=str(DEFAULT_MODEL))
-    p.add_argument("--tokens", type=int, default=2048, help="calibration tokens (default 2048)")
-    p.add_argument("--text", metavar="FILE", help="calibration text (default: leapquant's own source)")
+    p.add_argument(
+        "--model", default=DEFAULT_CHECKPOINT, type=model_arg,
+        help=f"a shipped checkpoint's name or a transformers folder (default {DEFAULT_CHECKPOINT})",
+    )  # fmt: skip
+    p.add_argument("--tokens", type=count(2), default=2048, help="calibration tokens (default 2048)")
+    p.add_argument(
+        "--text", metavar="FILE", type=input_file("file"),
+        help="calibration text (default: leapquant's own source)",
+    )  # fmt: skip
     p.add_argument(
         "--candidate", "-c", action="append", metavar="M",
         help=f"repeatable, cheapest tried first (default: {' '.join(AUTO_CANDIDATES)})",
     )  # fmt: skip
-    p.add_argument("--budget", type=float, default=default.budget, help="largest predicted state error")
-    p.add_argument("--horizon", type=int, default=default.horizon, help="tokens the prediction covers")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--out", required=True, help="the plan (.json)")
+    p.add_argument(
+        "--budget", type=positive_float, default=default.budget,
+        help=f"largest predicted state error (default {default.budget})",
+    )  # fmt: skip
+    p.add_argument(
+        "--horizon", type=count(), default=default.horizon,
+        help=f"tokens the prediction covers (default {default.horizon})",
+    )  # fmt: skip
+    p.add_argument("--device", default="cpu", type=device, help="cpu (default), cuda, cuda:1 or auto")
+    p.add_argument("--out", required=True, type=output_file("file", JSON), help="the plan (.json)")
     p.set_defaults(run=run_calibrate)
 
 
@@ -44,13 +56,9 @@ def run_calibrate(args: argparse.Namespace) -> int:
     from ..integrations.calibrate import calibrate_model
     from ..methods.auto import AUTO_CANDIDATES, AutoPolicy
 
-    if not args.out.endswith(".json"):
-        raise LeapQuantError(f"--out must name a .json file, got {args.out}")
     policy = AutoPolicy(tuple(args.candidate or AUTO_CANDIDATES), args.budget, args.horizon)
     text = None
     if args.text is not None:
-        if not Path(args.text).is_file():
-            raise LeapQuantError(f"text file {args.text} does not exist")
         text = Path(args.text).read_text(encoding="utf-8", errors="replace")
     model, tokenizer = load_model(args.model, args.device)
     plan = calibrate_model(model, tokenizer, policy, tokens=args.tokens, text=text)
