@@ -44,7 +44,7 @@ def test_eval_on_a_cpu_prints_one_line_of_stderr(tmp_path):
     assert run.returncode == 0, run.stderr
     lines = run.stderr.splitlines()
     if not torch.cuda.is_available():
-        assert len(lines) == 1 and lines[0].startswith("leapquant: CPU run:"), run.stderr
+        assert len(lines) == 1 and lines[0].startswith("CPU run: "), run.stderr
     else:
         assert lines == [], run.stderr
     assert "int8" in run.stdout and json.loads((tmp_path / "r.json").read_text())["complete"]

@@ -379,7 +379,7 @@ def test_cli_json_and_table(tmp_path, capsys):
     "extra, match",
     [
         (["--model", "no-such-model"], "not a preset"),
-        (["--model", "qwen3.5-9b", "--context", "0"], "context must be >= 1"),
+        (["--model", "qwen3.5-9b", "--context", "0"], "--context: must be >= 1"),
         (["--model", "qwen3.5-9b", "-m", "int8/w0"], "window must be >= 1"),
     ],
 )

@@ -128,11 +128,11 @@ def test_eval_cli(tiny_dir, tmp_path, capsys):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--model", "/nonexistent/model"], "no model at /nonexistent/model"),
+        (["--model", "/nonexistent/model"], "'/nonexistent/model': no such folder"),
         (["-m", "int9"], "unknown format 'int9'"),
         (["--text", "SHORT"], "fewer than the"),
-        (["--text", "/nonexistent.txt"], "does not exist"),
-        (["--tokens", "0"], "tokens must be >= 1"),
+        (["--text", "/nonexistent.txt"], "/nonexistent.txt: no such file"),
+        (["--tokens", "0"], "--tokens: must be >= 1"),
     ],
     ids=["missing-model", "unknown-method", "short-text", "missing-text", "zero-tokens"],
 )

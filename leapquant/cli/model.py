@@ -118,10 +118,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 def cpu_note(device: str) -> None:
-    """The one line a CPU run prints about speed, in place of the libraries' own notices."""
+    """The one line a CPU run prints about speed, in place of the libraries' own notices (not prefixed
+    ``leapquant:``, which marks errors)."""
     if device == "cpu":
         print(
-            "leapquant: CPU run: transformers' torch reference kernels stand in for flash-linear-attention "
+            "CPU run: transformers' torch reference kernels stand in for flash-linear-attention "
             "(slower; FP32 and every method use the same ones, so the comparison is unchanged)",
             file=sys.stderr,
         )
