@@ -215,7 +215,7 @@ def test_calibrate_model_plans_every_linear_layer_and_patch_takes_it(tmp_path):
 
 @pytest.mark.parametrize(
     ("extra", "match"),
-    [(["--out", "plan.txt"], "must name a .json"), (["--out", "p.json", "--budget", "0"], "budget")],
+    [(["--out", "plan.txt"], "expected a .json file"), (["--out", "p.json", "--budget", "0"], "budget")],
 )
 def test_calibrate_cli_errors_exit_2_with_one_line(extra, match, capsys):
     from leapquant.cli.main import main
