@@ -12,7 +12,7 @@ __all__ = ["main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import bench, memory, model, simulate
+    from . import bench, memory, model, recall, simulate
 
     parser = argparse.ArgumentParser(
         prog="leapquant",
@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_parsers(sub)
     bench.add_parsers(sub)
     model.add_parsers(sub)
+    recall.add_parsers(sub)
     memory.add_parsers(sub)
     return parser
 
