@@ -77,6 +77,9 @@ def test_training_sequence_has_exact_length_and_marks_answers():
 def test_presets_expand_and_configs_validate():
     assert resolve_methods(["smoke", "int8", "fp32"]) == METHOD_PRESETS["smoke"]
     assert {"leapquant-int8", "int8", "kvquant-int8", "int4"} <= set(resolve_methods(["paper-table"]))
+    for preset in METHOD_PRESETS:  # a preset never hides a method of the same name
+        with pytest.raises(LeapQuantError):
+            parse_method(preset)
     with pytest.raises(LeapQuantError):
         RecallConfig(methods=("int9",))
     with pytest.raises(LeapQuantError, match="distances"):
