@@ -9,13 +9,13 @@ tags: [linear-attention, {tags}, byte-level, leapquant]
 
 # {name}
 
-A {mparams:.2f}M-parameter byte-level {family} hybrid trained from scratch for a few minutes on Python
+A {mparams:.2f}M-parameter byte-level {family} {kind} trained from scratch for a few minutes on Python
 source, shipped by leapquant as a small real model for studying quantized recurrent state. A test subject,
 not a useful language model.
 
 ## Architecture
 
-`{cls}`, {layers} layers, 3 linear-attention : 1 full-attention (`{pattern}`), hidden {hidden}, MLP {mlp}.
+`{cls}`, {layers} layers, {ratio} (`{pattern}`), hidden {hidden}, MLP {mlp}.
 Linear layers: {heads}, key and value head dim {dk} ({dk}x{dk} state per head). Full layers: {full}.
 Vocabulary {vocab}, one token per byte: 0 `<pad>`, 1 `</s>` (file separator), 2 `<unk>`, byte b = id b + 3
 (ByT5's numbering; a `tokenizers` ByteLevel tokenizer without merges that adds no special tokens and never
@@ -111,7 +111,13 @@ def model_card(r: dict, vendored: set[str]) -> str:
         if kda
         else "GDN: one decay per value head, offset by layer"
     )
+    n_full = c["layer_types"].count("full_attention")
+    n_lin = len(c["layer_types"]) - n_full
+    ratio = (f"{n_lin // n_full} linear-attention : 1 full-attention" if n_full
+             else "every layer linear attention, no attention layer")  # fmt: skip
     return CARD.format(
+        ratio=ratio,
+        kind="hybrid" if n_full else "all-linear-attention model",
         tags="kda, kimi-linear" if kda else "gated-deltanet, qwen3.5",
         name=r["name"],
         mparams=r["params"] / 1e6,
@@ -123,7 +129,7 @@ def model_card(r: dict, vendored: set[str]) -> str:
         mlp=f"{c['intermediate_size']}" + (" (dense in every layer, no MoE)" if kda else ""),
         heads=heads,
         dk=dk,
-        full=full.format(**c),
+        full=full.format(**c) if n_full else "none",
         vocab=c["vocab_size"],
         mib=r["safetensors_MiB"],
         site_dirs=", ".join(d["site_dirs"]),

@@ -24,7 +24,7 @@ def _quiet_third_party() -> None:
 
 
 def build_parser() -> Parser:
-    from . import bench, calibrate, memory, model, simulate
+    from . import bench, calibrate, memory, model, recall, simulate
 
     parser = Parser(
         prog="leapquant",
@@ -34,6 +34,7 @@ def build_parser() -> Parser:
     simulate.add_parsers(sub)
     bench.add_parsers(sub)
     model.add_parsers(sub)
+    recall.add_parsers(sub)
     memory.add_parsers(sub)
     calibrate.add_parsers(sub)
     return parser

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["plot_model_state_error", "plot_state_error", "save_figure"]
+__all__ = ["plot_model_state_error", "plot_recall_accuracy", "plot_state_error", "save_figure"]
 
 
 def save_figure(fig, path: str | Path, bbox_inches: str | None = None) -> Path:
@@ -95,4 +95,39 @@ def plot_model_state_error(report: dict, path: str | Path, title: str | None = N
         handles, labels, fontsize=7, loc="upper center", ncol=min(6, len(labels)), bbox_to_anchor=(0.5, 1.0)
     )
     fig.suptitle(title or f"{report['architecture']}: state error per layer", fontsize=9, y=1.04)
+    return save_figure(fig, path, bbox_inches="tight")
+
+
+def plot_recall_accuracy(report: dict, path: str | Path, title: str | None = None) -> Path:
+    """Exact-match recall accuracy against distance (log scale), one line per method (``leapquant recall``):
+    FP32 black, per-step methods dashed, per-window solid; a method with non-finite logits is marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dists = report["distances"]
+    fig, ax = plt.subplots(figsize=(8.0, 4.6), dpi=130)
+    colors = plt.get_cmap("tab20").colors + plt.get_cmap("tab20b").colors
+    for i, (name, row) in enumerate(report["methods"].items()):
+        acc = [100 * row["accuracy"][str(d)] for d in dists]
+        bad = any(row["nonfinite"][str(d)] for d in dists)
+        style = "-" if row["window"] > 1 else "--"
+        color = "black" if name == "fp32" else colors[i % len(colors)]
+        label = f"{name} ({row['bytes_per_element']:.2f} B/elem)" + (", non-finite" if bad else "")
+        ax.plot(dists, acc, style, marker="o", ms=3, lw=1.5, color=color, label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(dists, [f"{d // 1024}K" if d % 1024 == 0 else str(d) for d in dists])
+    ax.set_ylim(-3, 103)
+    ax.set_xlabel("distance from the planted key to the query (tokens)")
+    ax.set_ylabel("exact-match accuracy (%)")
+    ax.grid(True, which="both", alpha=0.3)
+    model = Path(str(report["model"])).name
+    ax.set_title(
+        title
+        or f"{report['task']} recall, {model}, {report['examples']} prompts per distance "
+        "(dashed: per-step, solid: per-window)",
+        fontsize=9,
+    )
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return save_figure(fig, path, bbox_inches="tight")

@@ -1,0 +1,223 @@
+"""``leapquant recall | recall-report``: long-memory recall through each method's state, by distance."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from ..errors import LeapQuantError
+
+# The all-linear-attention GDN checkpoint trained for the task (scripts/train_recall.py): its long memory
+# has no attention to fall back on. Named beside the shipped checkpoints, wherever those live.
+RECALL_MODEL = "qwen35-gdn-linear-recall-byte"
+
+
+def _default_model() -> Path:
+    from ..eval.model_eval import DEFAULT_MODEL
+
+    return DEFAULT_MODEL.parent / RECALL_MODEL
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    from ..eval.recall import METHOD_PRESETS
+    from ..eval.recall_tasks import TASKS
+    from .args import JSON, PLOT, count, device, input_file, output_file
+    from .model import backend, model_arg
+
+    presets = "; ".join(f"{k}: {' '.join(v)}" for k, v in METHOD_PRESETS.items())
+    p = sub.add_parser(
+        "recall",
+        help="long-memory recall (passkey, multi-query key-value) decoded through each method's state",
+        description="Keys planted DISTANCE tokens before their query in standard-library text; the context "
+        "streams through each method's state (FP32 beside every method, one batch), and the answer is "
+        "decoded greedily through that state. Prints exact-match accuracy per method and distance. "
+        f"Method presets: {presets}.",
+    )
+    p.add_argument(
+        "--model", type=model_arg,
+        help=f"a checkpoint's name or a transformers folder (default {RECALL_MODEL})",
+    )  # fmt: skip
+    p.add_argument(
+        "--method", "-m", action="append", help="method or preset name, repeatable (default: int8-ablation)"
+    )
+    p.add_argument("--task", choices=list(TASKS), default="passkey")
+    p.add_argument(
+        "--distances", type=count(), nargs="+", default=[1024, 4096, 16384], metavar="N",
+        help="tokens between the planted keys and their query (default 1024 4096 16384)",
+    )  # fmt: skip
+    p.add_argument("--examples", type=count(), default=8, help="prompts per distance (default 8)")
+    p.add_argument("--prefix", type=count(), default=128, help="text tokens prefilled before the keys")
+    p.add_argument("--chunk", type=count(), default=256, help="tokens per model call while streaming")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--text", metavar="FILE", type=input_file("file"), help="filler text instead of the standard library"
+    )
+    p.add_argument(
+        "--device", default="auto", type=device, help="auto (cuda if present), cpu, cuda, cuda:1, ..."
+    )
+    p.add_argument(
+        "--backend", choices=("auto", "reference", "reference64", "triton"), default="auto", type=backend
+    )
+    p.add_argument(
+        "--json", metavar="OUT", type=output_file("file", JSON),
+        help="write the report as JSON (after every distance)",
+    )  # fmt: skip
+    p.add_argument(
+        "--plot", metavar="OUT.png", type=output_file("file", PLOT),
+        help="accuracy against distance, one line per method",
+    )  # fmt: skip
+    p.set_defaults(run=run_recall)
+
+    p = sub.add_parser(
+        "recall-report",
+        help="markdown table (and plot) from `leapquant recall` JSON files",
+        description="One markdown table of exact-match accuracy per method and distance. Several JSONs of "
+        "one evaluation split over processes (by method or by distance) are merged first.",
+    )
+    p.add_argument("reports", nargs="+", metavar="JSON", type=input_file("report", JSON))
+    p.add_argument(
+        "--merge", metavar="OUT", type=output_file("file", JSON), help="also write the merged report to OUT"
+    )
+    p.add_argument(
+        "--plot", metavar="OUT.png", type=output_file("file", PLOT), help="accuracy against distance"
+    )
+    p.set_defaults(run=run_recall_report)
+
+
+def run_recall(args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    from ..checkpoints import resolve_model
+    from ..eval.model_eval import load_model
+    from ..eval.provenance import provenance
+    from ..eval.recall import METHOD_PRESETS, RecallConfig, evaluate_recall, recall_table_rows
+    from .simulate import console
+
+    config = RecallConfig(
+        methods=tuple(args.method or ["int8-ablation"]),
+        task=args.task,
+        distances=tuple(args.distances),
+        examples=args.examples,
+        prefix=args.prefix,
+        chunk=args.chunk,
+        seed=args.seed,
+        backend=args.backend,
+    )
+    model_dir = resolve_model(args.model) if args.model else _default_model()
+    if args.model is None and not (model_dir / "config.json").is_file():
+        raise LeapQuantError(
+            f"no {RECALL_MODEL} checkpoint at {model_dir}: train it (scripts/gpu-train-recall.sh) "
+            "or give --model"
+        )
+    text = None
+    if args.text:
+        text = Path(args.text).read_text(encoding="utf-8", errors="replace")
+    model, tokenizer = load_model(model_dir, args.device)
+    info = provenance(cuda=str(model.device).startswith("cuda"))
+    info["method_presets"] = {
+        k: v for k, v in METHOD_PRESETS.items() if k in (args.method or ["int8-ablation"])
+    }
+
+    def write(report: dict) -> None:
+        report["model"] = str(model_dir)
+        report["provenance"] = info
+        if args.json:  # its folder was checked when the command line was read
+            Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+
+    report = evaluate_recall(
+        model, tokenizer, config, text=text, text_source=args.text or "stdlib", on_partial=write
+    )
+    write(report)
+    table = Table(
+        title=f"leapquant recall: {model_dir.name}, {config.task}, {config.examples} prompts per distance, "
+        "exact-match accuracy (%)",
+        title_justify="left",
+    )
+    table.add_column("method")
+    table.add_column("bytes/elem", justify="right")
+    for d in report["distances"]:
+        table.add_column(f"{d}", justify="right")
+    for row in recall_table_rows(report):
+        table.add_row(*row)
+    console().print(table)
+    if args.json:
+        print(f"wrote {args.json}")
+    if args.plot:
+        from ..eval.plot import plot_recall_accuracy
+
+        print(f"wrote {plot_recall_accuracy(report, args.plot)}")
+    return 0
+
+
+def recall_markdown(report: dict) -> str:
+    """A markdown table of one ``leapquant recall`` report."""
+    from ..eval.recall import recall_table_rows
+
+    prov = report.get("provenance", {})
+    done = "" if report.get("complete", True) else " (cut short: partial report)"
+    dists = report["distances"]
+    lines = [
+        f"`{Path(report['model']).name}` ({report['architecture']}), {report['task']}, {report['examples']} "
+        f"prompts per distance, {report['prefix']}-token prefix{done}; {prov.get('device', '?')}, "
+        f"{prov.get('date_utc', '?')}, backend {report['backend']}. Exact-match accuracy (%) by distance "
+        "(tokens).",
+        "",
+        "| method | bytes/elem | " + " | ".join(str(d) for d in dists) + " |",
+        "| --- | ---: |" + " ---: |" * len(dists),
+    ]
+    lines += [f"| `{r[0]}` | " + " | ".join(r[1:]) + " |" for r in recall_table_rows(report)]
+    return "\n".join(lines) + "\n"
+
+
+def merge_recall(reports: list[dict]) -> dict:
+    """One report from runs split by method or distance; they must share model, task and prompts."""
+    first = reports[0]
+    merged = {**first, "methods": {}, "distances": [], "seconds": {}}
+    for r in reports:
+        for key in ("model", "task", "examples", "prefix", "seed"):
+            if r[key] != first[key]:
+                raise LeapQuantError(f"merge: reports differ in {key!r} ({r[key]!r} vs {first[key]!r})")
+        merged["distances"] = sorted(set(merged["distances"]) | set(r["distances"]))
+        merged["seconds"].update(r["seconds"])
+        for name, row in r["methods"].items():
+            into = merged["methods"].setdefault(name, {})
+            for key, value in row.items():
+                if not isinstance(value, dict):
+                    into[key] = value
+                    continue
+                for d, v in value.items():
+                    if key == "accuracy" and d in into.get(key, {}):
+                        # FP32 runs in every process of a split by method: it must agree with itself
+                        if name != "fp32":
+                            raise LeapQuantError(f"merge: method {name!r} at distance {d} is in two reports")
+                        if into[key][d] != v:
+                            raise LeapQuantError(
+                                f"merge: FP32 accuracy at distance {d} differs between reports"
+                            )
+                    into.setdefault(key, {})[d] = v
+    for name, row in merged["methods"].items():
+        missing = [d for d in merged["distances"] if str(d) not in row.get("accuracy", {})]
+        if missing:
+            raise LeapQuantError(f"merge: method {name!r} has no result at distances {missing}")
+    merged["complete"] = all(r["complete"] for r in reports)
+    merged["merged_from"] = len(reports)
+    return merged
+
+
+def run_recall_report(args: argparse.Namespace) -> int:
+    from ..checks import read_json
+
+    reports = [read_json(path, "report") for path in args.reports]
+    try:
+        report = merge_recall(reports) if len(reports) > 1 else reports[0]
+        if args.merge:
+            Path(args.merge).write_text(json.dumps(report, indent=1) + "\n")
+        print(recall_markdown(report))
+        if args.plot:
+            from ..eval.plot import plot_recall_accuracy
+
+            plot_recall_accuracy(report, args.plot)
+    except (KeyError, TypeError) as exc:
+        raise LeapQuantError(f"not a `leapquant recall` JSON report ({type(exc).__name__}: {exc})") from None
+    return 0

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# On one H200 (torch 2.11+cu130, transformers 5.17; FLA must stay off the training path, train_recall.py
+# blocks it): train the recall checkpoints of issue 21 side by side, one process per model under MPS (each
+# is bound by the torch path's kernel launches, so three share the GPU at little cost to each).
+#
+#   MINUTES   training wall clock per model (default 5; every process also needs ~1-2 min for data loading,
+#             saving, held-out bits/byte, decay statistics and its FP32 recall check)
+#   MODELS    default "gdn-linear gdn-hybrid kda-linear" (also: kda-hybrid, gdn-tiny)
+#   INIT      default "shipped": warm start from the shipped hybrid of the same family
+#   EXTRA     more train_recall.py flags, e.g. "--max-distance 3072 --seq 4096"
+#   TINY      1 (default): also train gdn-tiny, the CI-sized model, in a fourth process
+#
+# Device time: MINUTES + ~2 minutes. Output: $OUT/recall-ckpt.tgz (the checkpoints) and $OUT/train-*.log.
+set -uo pipefail
+out=${OUT:-out}; mkdir -p "$out/ckpt"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
+if [ "${MPS:-1}" = 1 ] && command -v nvidia-cuda-mps-control >/dev/null; then
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  nvidia-cuda-mps-control -d && echo "MPS daemon started" && trap 'echo quit | nvidia-cuda-mps-control' EXIT
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # scripts/ import leapquant from this tree
+pids=()
+for model in ${MODELS:-gdn-linear gdn-hybrid kda-linear}; do
+  # KDA's torch path runs ~4.5x fewer tokens/s than GDN's: half the batch gives it twice the steps
+  batch=16; case $model in kda-*) batch=4 ;; gdn-*) batch=8 ;; esac
+  python3 scripts/train_recall.py --model "$model" --init-from "${INIT:-shipped}" --minutes "${MINUTES:-5}" \
+    --batch "$batch" --out "$out/ckpt" ${EXTRA:-} > "$out/train-$model.log" 2>&1 &
+  pids+=($!)
+done
+# the CI-sized all-GDN model (32x32 states, < 1 MB) on short passkey prompts, in the same wall clock: a model
+# that really recalls, for a CPU test (tests/test_recall.py uses FP32's own answers until one is shipped)
+if [ "${TINY:-1}" = 1 ]; then
+  python3 scripts/train_recall.py --model gdn-tiny --minutes "${MINUTES:-5}" --out "$out/ckpt" --seq 512 \
+    --batch 32 --min-distance 16 --max-distance 256 --tasks passkey --recall-fraction 1 --answer-weight 4 \
+    --lr 3e-3 --eval-distances 64 256 --eval-prefix 16 > "$out/train-gdn-tiny.log" 2>&1 &
+  pids+=($!)
+fi
+for p in "${pids[@]}"; do wait "$p" || echo "a training process failed (exit $?)"; done
+grep -h "^\[\|done in\|error" "$out"/train-*.log | cut -c1-400
+tar czf "$out/recall-ckpt.tgz" -C "$out/ckpt" . && rm -rf "$out/ckpt"

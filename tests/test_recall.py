@@ -1,0 +1,197 @@
+"""The long-memory recall task: prompt generator, training windows, and the scorer decoding through states."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from leapquant import LeapQuantError
+from leapquant.eval.recall import METHOD_PRESETS, RecallConfig, resolve_methods
+from leapquant.eval.recall_tasks import TASKS, make_examples, training_sequence
+from leapquant.methods import parse_method
+
+
+def encode(s: str) -> list[int]:
+    return [b + 3 for b in s.encode()]
+
+
+def decode(ids) -> str:
+    return bytes(i - 3 for i in ids).decode()
+
+
+TEXT = encode("def f(x):\n    return x + 1\n" * 400)  # 10,800 tokens of ordinary text
+TEXT_STD = __import__("inspect").getsource(json)  # real source for the model tests
+
+
+@pytest.mark.parametrize("task", list(TASKS))
+def test_examples_are_deterministic_and_seeded(task):
+    a = make_examples(task, 300, 4, TEXT, encode, seed=1, prefix=20)
+    assert a == make_examples(task, 300, 4, TEXT, encode, seed=1, prefix=20)
+    b = make_examples(task, 300, 4, TEXT, encode, seed=2, prefix=20)
+    assert [ex.values for ex in a] != [ex.values for ex in b]
+    assert len({tuple(ex.values) for ex in a}) == 4  # the examples of one call differ from each other
+
+
+@pytest.mark.parametrize(
+    ("task", "distance"), [("passkey", 17), ("passkey", 1000), ("mqar", 60), ("mqar", 2500)]
+)
+def test_keys_are_planted_at_the_distance(task, distance):
+    for ex in make_examples(task, distance, 3, TEXT, encode, seed=0, prefix=33):
+        assert ex.planted_at == ex.prefix == 33
+        assert len(ex.context) - ex.planted_at == ex.distance == distance  # first query starts here
+        block = decode(ex.context[ex.planted_at :])
+        lines = block.split("\n")[1 : 1 + TASKS[task].pairs]
+        planted = dict(line.split(" = ") for line in lines)
+        assert planted == dict(zip(ex.keys, ex.values))  # every key asked, with its planted value
+        for (prompt, answer), key, value in zip(ex.queries, ex.keys, ex.values):
+            assert decode(prompt) == f"\n{key} = " and decode(answer) == value
+            assert len(value) == TASKS[task].digits and value.isdigit()
+        full, mask = ex.tokens(), ex.answer_mask()
+        assert len(full) == len(mask) and decode([t for t, m in zip(full, mask) if m]) == "".join(ex.values)
+
+
+def test_bad_examples_are_refused():
+    with pytest.raises(LeapQuantError, match="unknown task"):
+        make_examples("needle", 100, 1, TEXT, encode)
+    with pytest.raises(LeapQuantError, match="shorter than"):
+        make_examples("mqar", 20, 1, TEXT, encode)
+    with pytest.raises(LeapQuantError, match="fewer than"):
+        make_examples("passkey", 20_000, 1, TEXT, encode)
+
+
+def test_training_sequence_has_exact_length_and_marks_answers():
+    rng = random.Random(0)
+    for _ in range(5):
+        ids, mask = training_sequence(512, TEXT, encode, rng, max_distance=200)
+        assert len(ids) == len(mask) == 512
+        answers = decode([t for t, m in zip(ids, mask) if m])
+        assert answers and answers.isdigit()
+        text = decode(ids)
+        # every answer follows its query prompt: the bytes before each answer run end in " = "
+        starts = [i for i in range(1, 512) if mask[i] and not mask[i - 1]]
+        assert starts and all(text[:s].endswith(" = ") for s in starts)
+
+
+def test_presets_expand_and_configs_validate():
+    assert resolve_methods(["smoke", "int8", "fp32"]) == METHOD_PRESETS["smoke"]
+    assert {"leapquant-int8", "int8", "kvquant-int8", "int4"} <= set(resolve_methods(["paper-table"]))
+    for preset in METHOD_PRESETS:  # a preset never hides a method of the same name
+        with pytest.raises(LeapQuantError):
+            parse_method(preset)
+    with pytest.raises(LeapQuantError):
+        RecallConfig(methods=("int9",))
+    with pytest.raises(LeapQuantError, match="distances"):
+        RecallConfig(distances=(0,))
+    with pytest.raises(LeapQuantError, match="unknown task"):
+        RecallConfig(task="needle")
+
+
+def test_cli_rejects_bad_input_in_one_line(capsys, tmp_path):
+    from leapquant.cli.main import main
+
+    assert main(["recall", "--model", str(tmp_path), "--distances", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("leapquant: error:") and "\n" not in err
+    bad = tmp_path / "r.json"
+    bad.write_text(json.dumps({"x": 1}))
+    assert main(["recall-report", str(bad)]) == 2
+
+
+# --- the scorer decodes through each method's state (shipped GDN hybrid, CPU, ~60 tokens) ------------------
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    from leapquant.eval.model_eval import DEFAULT_MODEL, load_model
+
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    return load_model(DEFAULT_MODEL, "cpu")
+
+
+class _Wiped:
+    """The model's own fp32 state, wiped after every token: what a broken quantizer does to long memory."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def step(self, *args):
+        out = self.inner.step(*args)
+        self.inner.state = self.inner.state * 0
+        return out
+
+
+def test_scores_come_from_decoding_through_each_state(shipped, monkeypatch):
+    """The shipped hybrid was never trained on recall, so its answers are wrong; the test makes FP32's own
+    decoded answers the truth (FP32 scores 1 by construction) and decodes again with two more row groups:
+    one holding an exact copy of the FP32 state (must score 1: rows decode through their own group's
+    state) and one whose state is wiped after every token (must lose the answers)."""
+    import dataclasses
+
+    import leapquant.integrations.transformers as hf
+    from leapquant.eval.recall import score_examples
+
+    model, tok = shipped
+    text = tok(TEXT_STD, add_special_tokens=False)["input_ids"]
+    encode_ = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    examples = make_examples("passkey", 32, 4, text, encode_, seed=3, prefix=8)
+    first = score_examples(model, examples, RecallConfig(methods=(), chunk=64))
+    assert first["fp32"]["nonfinite"] == 0
+    truth = [
+        dataclasses.replace(
+            ex, queries=[(p, a) for (p, _), a in zip(ex.queries, first["fp32"]["answers"][e])]
+        )
+        for e, ex in enumerate(examples)
+    ]
+    real = hf.make_state
+
+    def states(config, **kw):  # "bf16" rows: an exact fp32 copy; "fp16" rows: wiped after every token
+        if config.name in ("bf16", "fp16"):
+            st = real(parse_method("fp32"), **kw)
+            return st if config.name == "bf16" else _Wiped(st)
+        return real(config, **kw)
+
+    monkeypatch.setattr(hf, "make_state", states)
+    second = score_examples(model, truth, RecallConfig(methods=("bf16", "fp16"), chunk=64))
+    assert second["fp32"]["accuracy"] == 1.0 and second["fp32"]["answers"] == first["fp32"]["answers"]
+    assert second["bf16"]["accuracy"] == 1.0 and second["bf16"]["state_rel_err"] < 1e-5
+    assert second["fp16"]["accuracy"] <= 0.25 and second["fp16"]["state_rel_err"] > 0.5
+    assert second["fp16"]["agree_fp32"] <= 0.25
+
+
+def test_recall_cli_runs_a_real_method_and_reports(shipped, tmp_path, capsys):
+    """`leapquant recall` end to end on the shipped checkpoint (CPU, ~60 tokens): JSON, table, plot."""
+    from leapquant.cli.main import main
+    from leapquant.eval.model_eval import DEFAULT_MODEL
+
+    out = tmp_path / "r.json"
+    argv = [
+        "recall",
+        "--model",
+        str(DEFAULT_MODEL),
+        "-m",
+        "int8",
+        "--distances",
+        "24",
+        "40",
+        "--examples",
+        "1",
+    ]
+    argv += ["--prefix", "8", "--device", "cpu", "--json", str(out), "--plot", str(tmp_path / "r.png")]
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    assert (
+        report["complete"] and report["distances"] == [24, 40] and set(report["methods"]) == {"fp32", "int8"}
+    )
+    row = report["methods"]["int8"]
+    assert row["nonfinite"] == {"24": 0, "40": 0} and 0 < row["state_rel_err"]["40"] < 1
+    assert report["provenance"]["device"] == "cpu" and (tmp_path / "r.png").stat().st_size > 0
+    capsys.readouterr()
+    assert main(["recall-report", str(out), str(out)]) == 2  # the same method twice: refused
+    assert main(["recall-report", str(out)]) == 0
+    assert "| `int8` | 1.031 |" in capsys.readouterr().out
