@@ -105,7 +105,12 @@ def engine_report(model: str, method: str | None, *, max_tokens: int = 24, prefi
     # by its module path, not as __main__.state_report: workers unpickle the function by reference
     from leapquant.integrations.vllm.check import state_report
 
-    extra = {"additional_config": {"leapquant_method": method}} if method else {}
+    # the baseline is vLLM's fp32 state, named: with "auto" its dtype follows vLLM's and transformers'
+    # defaults for the model (bf16 for this tiny Qwen3-Next under transformers 5.19)
+    if method:
+        extra = {"additional_config": {"leapquant_method": method}}
+    else:
+        extra = {"mamba_ssm_cache_dtype": "float32"}
     if tp > 1:
         extra |= {"tensor_parallel_size": tp, "distributed_executor_backend": "mp"}
     llm = LLM(model=model, dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True, seed=0,
