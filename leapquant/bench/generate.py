@@ -33,9 +33,11 @@ class GenerateCase:
     repeats: int = 3
 
     def __post_init__(self) -> None:
-        for name in ("batch", "prompt_tokens", "new_tokens", "repeats"):
+        for name in ("batch", "prompt_tokens", "repeats"):
             if getattr(self, name) < 1:
                 raise LeapQuantError(f"generate bench: {name} must be >= 1, got {getattr(self, name)}")
+        if self.new_tokens < 2:
+            raise LeapQuantError("generate bench: new_tokens must be >= 2 (one token is the prefill's)")
 
 
 def _timed(fn, repeats: int, device: str) -> float:
@@ -74,8 +76,6 @@ def bench_generate(
         raise LeapQuantError(f"generate bench: device must be cuda or cpu, got {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
         raise LeapQuantError("generate bench: no CUDA GPU here (--device cpu runs it, its times meaningless)")
-    if case.new_tokens < 2:
-        raise LeapQuantError("generate bench: new_tokens must be >= 2 (one token is the prefill's)")
     model, tokenizer = load_model(model_path, device)
     text, _ = stdlib_text(64 * case.batch * case.prompt_tokens)
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
