@@ -18,6 +18,7 @@ import leapquant
 from leapquant.eval.model_eval import DEFAULT_MODEL, EvalConfig, evaluate_model, load_model
 
 CHECKPOINTS = ["qwen35-gdn-hybrid-byte", "kimi-kda-hybrid-byte"]
+RECALL_CHECKPOINTS = ["qwen35-gdn-tiny-recall-byte"]  # tests/test_recall.py covers them
 
 
 @pytest.fixture(scope="module", params=CHECKPOINTS)
@@ -30,7 +31,7 @@ def shipped(request):
 
 def test_checkpoints_are_found_by_name():
     """The registry is the folders that hold a config.json; names resolve, typos get a hint."""
-    assert leapquant.checkpoint_names() == sorted(CHECKPOINTS)
+    assert leapquant.checkpoint_names() == sorted(CHECKPOINTS + RECALL_CHECKPOINTS)
     assert leapquant.checkpoint_path("qwen35-gdn-hybrid-byte") == DEFAULT_MODEL
     assert (DEFAULT_MODEL / "config.json").is_file()
     with pytest.raises(leapquant.LeapQuantError, match="did you mean 'kimi-kda-hybrid-byte'"):
