@@ -150,7 +150,8 @@ def test_scores_come_from_decoding_through_each_state(recall_model, monkeypatch)
         return real(config, **kw)
 
     monkeypatch.setattr(hf, "make_state", states)
-    report = score_examples(model, examples, RecallConfig(methods=("bf16", "fp16", "leapquant-int8"), chunk=64))
+    config = RecallConfig(methods=("bf16", "fp16", "leapquant-int8"), chunk=64)
+    report = score_examples(model, examples, config)
     fp32, copy, wiped, lq = (report[m] for m in ("fp32", "bf16", "fp16", "leapquant-int8"))
     assert all(r["nonfinite"] == 0 for r in (fp32, copy, wiped, lq))
     assert fp32["accuracy"] >= 7 / 8
