@@ -22,10 +22,6 @@
 #define K 128
 #define V 128
 #define NT 256
-// The tokens' and records' factor rows are FS floats apart in shared memory (SM_KEYS .. SM_TU): a
-// tensor-core operand of the rebuild reads 4 rows x 8 columns per instruction, on 32 distinct banks when the
-// stride is 8 banks past a multiple of 32 (a 128-float stride would put them on 8).
-#define FS 136
 #define P LQ_P
 #define R LQ_R
 #define RG (R < 4 ? R : 4)  // tokens per group of a product (registers: 8 x RG partial sums)
@@ -37,10 +33,6 @@
 // tokens' and records' rank-one updates of the rebuild, bit 1 the fit, bit 2 the quantization arithmetic.
 #ifndef LQ_ABLATE
 #define LQ_ABLATE 0
-#endif
-// The rebuild's rank-one updates on the tensor cores (1) or the CUDA cores (0, the timing comparison).
-#ifndef LQ_MMA_REBUILD
-#define LQ_MMA_REBUILD 1
 #endif
 
 typedef unsigned short half_bits;
@@ -90,27 +82,6 @@ __device__ __forceinline__ float warp_sum(float x) {
     #pragma unroll
     for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
     return x;
-}
-
-// Token t's factor at index e: the old tokens' (rows 0..R-1 at ``tokens``), then the records' (at ``records``),
-// zero past them (a product's last group of eight).
-__device__ __forceinline__ float factor(const float* sm, int tokens, int records, int t, int e) {
-    return t < R ? sm[tokens + t * FS + e] : (t < R + P ? sm[records + (t - R) * FS + e] : 0.0f);
-}
-
-// x as a tf32 value and the tf32 value of its remainder: hi + lo holds x to ~2^-22 of it.
-__device__ __forceinline__ void split_tf32(float x, unsigned& hi, unsigned& lo) {
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(hi) : "f"(x));
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(lo) : "f"(x - __uint_as_float(hi)));
-}
-
-// c += a b on the tensor cores: a the 16 x 8 tile (row-major fragments), b the 8 x 8 tile, fp32 sums.
-__device__ __forceinline__ void mma_tf32(float* c, const unsigned* a, const unsigned* b) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
 // The +-1 start vectors of methods.compensators.start_vectors (uint32 hash of row and column).
@@ -211,18 +182,17 @@ __device__ __forceinline__ void store_codes(unsigned char* payload, long long i_
 }
 
 // Shared memory, in floats.
-#define SM_KEYS 0                    // [P][FS] record keys (KDA: decayed to the window's end)
-#define SM_VALS (SM_KEYS + P * 136)  // [P][FS] record values (GDN: times the decay to the window's end)
-#define SM_TK (SM_VALS + P * 136)    // [R][FS] old token keys times the decay to the window's end
-#define SM_TU (SM_TK + R * 136)      // [R][FS] old token values
-#define SM_COL (SM_TU + R * 136)     // [K] smoothing scale times the decay to the window's end
+#define SM_KEYS 0                    // [P][K] record keys (KDA: decayed to the window's end)
+#define SM_VALS (SM_KEYS + P * K)    // [P][V] record values (GDN: times the decay to the window's end)
+#define SM_TK (SM_VALS + P * V)      // [R][K] old token keys times the decay to the window's end
+#define SM_TU (SM_TK + R * K)        // [R][V] old token values
+#define SM_COL (SM_TU + R * V)       // [K] smoothing scale times the decay to the window's end
 #define SM_BASIS (SM_COL + K)        // [R][V] the fit's value vectors (start, then token values)
 #define SM_Q (SM_BASIS + R * V)      // [R][K] the fit's products, then orthonormal keys
 #define SM_RED (SM_Q + R * K)        // [8 warps][4][K] per-warp partial sums along the values
 #define SM_C (SM_RED + 8 * 4 * K)    // [K] smoothing scales
 #define SM_RC (SM_C + K)             // [K] their reciprocals
-#define SM_XCH (SM_RC + K)           // [8 warps][16][72] the rebuild's product on its way to the state's layout
-#define SM_FLOATS (SM_XCH + 8 * 16 * 72)
+#define SM_FLOATS (SM_RC + K)
 
 extern "C" __global__ void __launch_bounds__(NT, 2) leapquant_close(
     const int* __restrict__ close_list, const int* __restrict__ close_count, unsigned char* payload,
@@ -255,12 +225,12 @@ extern "C" __global__ void __launch_bounds__(NT, 2) leapquant_close(
         #pragma unroll
         for (int t = 0; t < (P * K + NT - 1) / NT; ++t) {
             const int e = tid + t * NT;
-            if (e < P * K) sm[SM_KEYS + e / K * FS + e % K] = rec_load(rec_k + i_s * P * K + e) * expf(g[(P - 1) * K + e % K] - g[e]);
+            if (e < P * K) sm[SM_KEYS + e] = rec_load(rec_k + i_s * P * K + e) * expf(g[(P - 1) * K + e % K] - g[e]);
         }
         #pragma unroll
         for (int t = 0; t < (P * V + NT - 1) / NT; ++t) {
             const int e = tid + t * NT;
-            if (e < P * V) sm[SM_VALS + e / V * FS + e % V] = rec_load(rec_u + i_s * P * V + e);
+            if (e < P * V) sm[SM_VALS + e] = rec_load(rec_u + i_s * P * V + e);
         }
 #else
         const float* g = rec_g + i_s * P;
@@ -269,12 +239,12 @@ extern "C" __global__ void __launch_bounds__(NT, 2) leapquant_close(
         #pragma unroll
         for (int t = 0; t < (P * K + NT - 1) / NT; ++t) {
             const int e = tid + t * NT;
-            if (e < P * K) sm[SM_KEYS + e / K * FS + e % K] = rec_load(rec_k + i_s * P * K + e);
+            if (e < P * K) sm[SM_KEYS + e] = rec_load(rec_k + i_s * P * K + e);
         }
         #pragma unroll
         for (int t = 0; t < (P * V + NT - 1) / NT; ++t) {
             const int e = tid + t * NT;
-            if (e < P * V) sm[SM_VALS + e / V * FS + e % V] = rec_load(rec_u + i_s * P * V + e) * expf(g_end - g[e / V]);
+            if (e < P * V) sm[SM_VALS + e] = rec_load(rec_u + i_s * P * V + e) * expf(g_end - g[e / V]);
         }
 #endif
         if (tid < K) {
@@ -288,12 +258,12 @@ extern "C" __global__ void __launch_bounds__(NT, 2) leapquant_close(
         #pragma unroll
         for (int t = 0; t < (R * K + NT - 1) / NT; ++t) {
             const int e = tid + t * NT;
-            if (e < R * K) sm[SM_TK + e / K * FS + e % K] = h2f(comp_k[i_s * R * K + e]) * END_DECAY(e % K);
+            if (e < R * K) sm[SM_TK + e] = h2f(comp_k[i_s * R * K + e]) * END_DECAY(e % K);
         }
         #pragma unroll
         for (int t = 0; t < (R * V + NT - 1) / NT; ++t) {
             const int e = tid + t * NT;
-            if (e < R * V) sm[SM_TU + e / V * FS + e % V] = h2f(comp_u[i_s * R * V + e]);
+            if (e < R * V) sm[SM_TU + e] = h2f(comp_u[i_s * R * V + e]);
         }
 #endif
 #undef END_DECAY
@@ -313,65 +283,12 @@ extern "C" __global__ void __launch_bounds__(NT, 2) leapquant_close(
                 for (int j = 0; j < 8; ++j) s[i][j] = c[j] * sc[i] * col[j];
             }
         }
-        // tokens, then records: S += A B with A [V, R + P] their values and B [R + P, K] their keys
+        // tokens, then records: rank-one updates, operands read from shared memory
 #if !(LQ_ABLATE & 1)
-#if LQ_MMA_REBUILD
-        {
-            // On the tensor cores, warp w the product's rows 16w..16w+15 (its own state rows), half the keys at
-            // a time; tf32 operands as a rounded part and its remainder (three products: fp32-level), then
-            // through shared memory into the state's layout.
-            const int grp = lane >> 2, tig = lane & 3;
-            float* xch = sm + SM_XCH + warp * 16 * 72;
-            #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                #pragma unroll
-                for (int q = 0; q < 2; ++q) {  // four column tiles at a time: fewer live sums, fewer spills
-                    float c[4][4];
-                    #pragma unroll
-                    for (int n = 0; n < 4; ++n) c[n][0] = c[n][1] = c[n][2] = c[n][3] = 0.0f;
-                    #pragma unroll
-                    for (int t0 = 0; t0 < R + P; t0 += 8) {
-                        unsigned a_hi[4], a_lo[4];
-                        split_tf32(factor(sm, SM_TU, SM_VALS, t0 + tig, warp * 16 + grp), a_hi[0], a_lo[0]);
-                        split_tf32(factor(sm, SM_TU, SM_VALS, t0 + tig, warp * 16 + grp + 8), a_hi[1], a_lo[1]);
-                        split_tf32(factor(sm, SM_TU, SM_VALS, t0 + tig + 4, warp * 16 + grp), a_hi[2], a_lo[2]);
-                        split_tf32(factor(sm, SM_TU, SM_VALS, t0 + tig + 4, warp * 16 + grp + 8), a_hi[3], a_lo[3]);
-                        #pragma unroll
-                        for (int n = 0; n < 4; ++n) {
-                            const int k = h * 64 + q * 32 + n * 8 + grp;
-                            unsigned b_hi[2], b_lo[2];
-                            split_tf32(factor(sm, SM_TK, SM_KEYS, t0 + tig, k), b_hi[0], b_lo[0]);
-                            split_tf32(factor(sm, SM_TK, SM_KEYS, t0 + tig + 4, k), b_hi[1], b_lo[1]);
-                            mma_tf32(c[n], a_hi, b_hi);
-                            mma_tf32(c[n], a_lo, b_hi);
-                            mma_tf32(c[n], a_hi, b_lo);
-                        }
-                    }
-                    #pragma unroll
-                    for (int n = 0; n < 4; ++n) {
-                        float* x = xch + q * 32 + n * 8 + tig * 2;
-                        *(float2*)(x + grp * 72) = make_float2(c[n][0], c[n][1]);
-                        *(float2*)(x + (grp + 8) * 72) = make_float2(c[n][2], c[n][3]);
-                    }
-                }
-                __syncwarp();
-                #pragma unroll
-                for (int i = 0; i < 8; ++i) {
-                    const float4 x = *(const float4*)(xch + ((lane >> 4) * 8 + i) * 72 + cb * 4);
-                    s[i][h * 4 + 0] += x.x;
-                    s[i][h * 4 + 1] += x.y;
-                    s[i][h * 4 + 2] += x.z;
-                    s[i][h * 4 + 3] += x.w;
-                }
-                __syncwarp();
-            }
-        }
-#else
-        // on the CUDA cores: rank-one updates, operands read from shared memory
         #pragma unroll 4
         for (int t = 0; t < R + P; ++t) {
-            const float* a = t < R ? sm + SM_TU + t * FS : sm + SM_VALS + (t - R) * FS;
-            const float* b = t < R ? sm + SM_TK + t * FS : sm + SM_KEYS + (t - R) * FS;
+            const float* a = t < R ? sm + SM_TU + t * V : sm + SM_VALS + (t - R) * V;
+            const float* b = t < R ? sm + SM_TK + t * K : sm + SM_KEYS + (t - R) * K;
             const float4 a0 = *(const float4*)(a + rb * 8), a1 = *(const float4*)(a + rb * 8 + 4);
             const float4 b0 = *(const float4*)(b + cb * 4), b1 = *(const float4*)(b + 64 + cb * 4);
             const float av[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
@@ -382,16 +299,15 @@ extern "C" __global__ void __launch_bounds__(NT, 2) leapquant_close(
                 for (int j = 0; j < 8; ++j) s[i][j] = fmaf(av[i], bv[j], s[i][j]);
         }
 #endif
-#endif
 
 #if R > 0 && !(LQ_ABLATE & 2)
         // ---- the fit: warm start (previous token values; hashed +-1 where a token is zero) ----
         if (warp < R) {  // warp r decides whether token r's old values are usable
             float n2 = 0.0f;
-            for (int e = lane; e < V; e += 32) n2 += sm[SM_TU + warp * FS + e] * sm[SM_TU + warp * FS + e];
+            for (int e = lane; e < V; e += 32) n2 += sm[SM_TU + warp * V + e] * sm[SM_TU + warp * V + e];
             const bool usable = sqrtf(warp_sum(n2)) > 1e-30f;
             for (int e = lane; e < V; e += 32)
-                sm[SM_BASIS + warp * V + e] = usable ? sm[SM_TU + warp * FS + e] : start_vector(e, warp);
+                sm[SM_BASIS + warp * V + e] = usable ? sm[SM_TU + warp * V + e] : start_vector(e, warp);
         }
         __syncthreads();
         for (int it = 0; it < LQ_ITERS; ++it) {

@@ -68,8 +68,7 @@ def compile_options(cfg: PoolConfig) -> list[str]:
 def shared_bytes(cfg: PoolConfig) -> int:
     """Dynamic shared memory of one block (the ``SM_*`` layout of ``close.cu``)."""
     k, v, p, r = cfg.d_k, cfg.d_v, cfg.window, cfg.compensators
-    rows = 136  # the factors' padded row (FS)
-    floats = 2 * p * rows + 2 * r * rows + k + r * v + r * k + 8 * 4 * k + 2 * k + 8 * 16 * 72
+    floats = p * k + p * v + r * k + r * v + k + r * v + r * k + 8 * 4 * k + 2 * k
     return 4 * floats
 
 

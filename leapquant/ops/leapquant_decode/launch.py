@@ -127,13 +127,12 @@ class LaunchConfig:
 
 def tensor_core_step(cfg, launch: LaunchConfig) -> bool:
     """Whether the step runs on tensor cores (``step_tc_kernel``): integer residual codes, fp16 records,
-    and head dims the products tile (int8 products take 32 keys at a time, int4 heads two products of
-    half the keys, at least 16 value rows)."""
+    and head dims the products tile (int8 products take 32 keys at a time, at least 16 value rows)."""
     return (
         launch.step_mma
         and cfg.format.integer
         and cfg.records == "fp16"
-        and cfg.d_k % (32 * cfg.format.keys_per_element) == 0  # int4: two products over K/2 keys
+        and cfg.d_k % 32 == 0
         and cfg.d_v >= 16
     )
 
