@@ -21,10 +21,14 @@ if [ "${MPS:-1}" = 1 ] && command -v nvidia-cuda-mps-control >/dev/null; then
   nvidia-cuda-mps-control -d && echo "MPS daemon started" && trap 'echo quit | nvidia-cuda-mps-control' EXIT
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # scripts/ import leapquant from this tree
+# KDA's torch chunked path holds ~55 GB at batch 4 (its decay mask is [B, H, chunks, 64, 64, K]): beside the
+# GDN processes that fits an H200's 141 GB but not an H100's 80 GB (seen: out of memory), so halve it there
+gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+kda_batch=4; [ "${gpu_mib:-0}" -lt 100000 ] && kda_batch=2
 pids=()
 for model in ${MODELS:-gdn-linear gdn-hybrid kda-linear}; do
-  # KDA's torch path runs ~4.5x fewer tokens/s than GDN's: half the batch gives it twice the steps
-  batch=16; case $model in kda-*) batch=4 ;; gdn-*) batch=8 ;; esac
+  # KDA's torch path runs ~4.5x fewer tokens/s than GDN's: a smaller batch gives it more steps
+  batch=16; case $model in kda-*) batch=$kda_batch ;; gdn-*) batch=8 ;; esac
   python3 scripts/train_recall.py --model "$model" --init-from "${INIT:-shipped}" --minutes "${MINUTES:-5}" \
     --batch "$batch" --out "$out/ckpt" ${EXTRA:-} > "$out/train-$model.log" 2>&1 &
   pids+=($!)
