@@ -216,3 +216,25 @@ def test_eval_split_over_processes_merges_into_one_report(tiny_dir, tmp_path, ca
     paths["b"].write_text(json.dumps(short))
     assert main(["eval-report", str(paths["a"]), str(paths["b"]), "--merge", str(paths["merged"])]) == 2
     assert "differ in 'tokens'" in capsys.readouterr().err
+
+
+def test_a_model_without_attention_layers_runs_every_command(tmp_path):
+    """An all-linear-attention model (the shipped recall checkpoint) through eval, generate, trace and
+    calibrate: transformers 5.17 asks the cache for its length when no positions are given, and only
+    attention layers have one (it raised 'get_seq_length can only be called on Attention layers')."""
+    import leapquant
+
+    path = leapquant.checkpoint_path("qwen35-gdn-tiny-recall-byte")
+    model, tok = load_model(path, "cpu")
+    assert "full_attention" not in model.config.layer_types
+    cfg = EvalConfig(methods=("fp32", "int8"), tokens=16, prefill=8, curve_points=2, generate=("int8",),
+                     generate_tokens=4, backend="reference")  # fmt: skip
+    rep = evaluate_model(model, tok, cfg)
+    assert rep["complete"] and rep["methods"]["int8"]["state_rel_err"] > 0
+    assert rep["methods"]["int8"]["generate"]["tokens"] == 4
+    out = tmp_path / "t.npz"
+    assert main(["trace", "--model", str(path), "--tokens", "24", "--layers", "0", "--out", str(out)]) == 0
+    assert load_trace(out).records.k.shape == (2, 24, 32)
+    plan = tmp_path / "plan.json"
+    assert main(["calibrate", "--model", str(path), "--tokens", "64", "--out", str(plan)]) == 0
+    assert plan.stat().st_size > 0

@@ -27,6 +27,7 @@ from pathlib import Path
 from ..checkpoints import DEFAULT_CHECKPOINT, checkpoint_path, resolve_model
 from ..checks import resolve_device
 from ..errors import LeapQuantError
+from .stream import CachedStream
 
 __all__ = [
     "DEFAULT_EVAL_METHODS",
@@ -159,7 +160,6 @@ def evaluate_model(
     short still leaves its numbers.
     """
     import torch
-    from transformers import DynamicCache
 
     from ..integrations import patch, unpatch
 
@@ -227,11 +227,12 @@ def evaluate_model(
     clock = {"start": time.perf_counter()}
     try:
         with torch.inference_mode():
-            cache = DynamicCache(config=model.config)
-            model(batch[:, : config.prefill], past_key_values=cache, use_cache=True)
+            stream = CachedStream(model)
+            cache = stream.cache
+            stream(batch[:, : config.prefill])
             for step in range(config.tokens):
                 t = config.prefill + step
-                logits = model(batch[:, t : t + 1], past_key_values=cache, use_cache=True).logits[:, -1]
+                logits = stream(batch[:, t : t + 1]).logits[:, -1]
                 logp = torch.log_softmax(logits.double(), dim=-1)
                 kl += (logp[0].exp() * (logp[0] - logp)).sum(-1)
                 nll -= logp[:, targets[t + 1]]
@@ -266,7 +267,6 @@ def _greedy_against_fp32(model, ids, method: str, config: EvalConfig) -> dict:
     per-prompt values.
     """
     import torch
-    from transformers import DynamicCache
 
     from ..integrations import patch
 
@@ -274,13 +274,13 @@ def _greedy_against_fp32(model, ids, method: str, config: EvalConfig) -> dict:
     starts = [round(i * span / GREEDY_PROMPTS) for i in range(GREEDY_PROMPTS)]
     prompts = torch.stack([ids[s : s + config.prefill] for s in starts])
     patch(model, (config.config_of("fp32"), config.config_of(method)), backend=config.backend)
-    cache = DynamicCache(config=model.config)
-    logits = model(prompts.repeat(2, 1), past_key_values=cache, use_cache=True).logits[:, -1]
+    stream = CachedStream(model)
+    logits = stream(prompts.repeat(2, 1)).logits[:, -1]
     tokens = []
     for _ in range(config.generate_tokens):
         nxt = logits.argmax(-1)
         tokens.append(nxt.cpu())
-        logits = model(nxt[:, None], past_key_values=cache, use_cache=True).logits[:, -1]
+        logits = stream(nxt[:, None]).logits[:, -1]
     seq = torch.stack(tokens, 1)
     ref, got = seq[:GREEDY_PROMPTS], seq[GREEDY_PROMPTS:]
     same = ref == got
@@ -317,7 +317,6 @@ def record_trace(
     exact trajectory, so ``leapquant simulate`` can replay them through any method on any machine.
     """
     import torch
-    from transformers import DynamicCache
 
     from ..integrations import linear_attention_layers, patch, unpatch
     from ..recurrences import Records
@@ -342,7 +341,7 @@ def record_trace(
     patched.set_recorder(recorder)
     try:
         with torch.inference_mode():
-            model(ids[None], past_key_values=DynamicCache(config=model.config), use_cache=True)
+            CachedStream(model)(ids[None])
     finally:
         unpatch(model)
     parts = []

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from ..errors import LeapQuantError
 from .recall_tasks import TASKS, RecallExample, make_examples
+from .stream import CachedStream
 
 __all__ = [
     "METHOD_PRESETS",
@@ -58,9 +59,6 @@ METHOD_PRESETS = {
     "int8-ablation": ("bf16", "int8", "int8/w16", "int8/w16+ct4", "leapquant-int8"),
     "smoke": ("int8", "leapquant-int8"),
 }
-
-
-NO_MASKS = {"full_attention": None, "linear_attention": None}
 
 
 def resolve_methods(names: Sequence[str]) -> tuple[str, ...]:
@@ -135,7 +133,6 @@ def score_examples(model, examples: Sequence[RecallExample], config: RecallConfi
 
 def _score(model, examples: Sequence[RecallExample], config: RecallConfig) -> dict:
     import torch
-    from transformers import DynamicCache
 
     from ..integrations import patch
 
@@ -147,18 +144,12 @@ def _score(model, examples: Sequence[RecallExample], config: RecallConfig) -> di
     dev = model.device
     ctx = torch.tensor([ex.context for ex in examples], device=dev).repeat(groups, 1)
     patched = patch(model, [config.config_of(m) for m in patched_rows], backend=config.backend)
-    cache = DynamicCache(config=model.config)
+    stream = CachedStream(model)
+    cache = stream.cache
     bad = torch.zeros(groups * n, dtype=torch.bool, device=dev)
-    # Positions are passed, and a model without attention layers gets its (absent) masks as a dict: with
-    # neither, transformers 5.17 asks the cache for its length, which only attention layers track.
-    extra = {} if "full_attention" in model.config.layer_types else {"attention_mask": NO_MASKS}
-    pos = [0]
 
     def step(ids):  # next-token logits of the last position; the state advances through every token
-        at = torch.arange(pos[0], pos[0] + ids.shape[1], device=dev)[None].expand(ids.shape[0], -1)
-        pos[0] += ids.shape[1]
-        out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1, position_ids=at, **extra)
-        logits = out.logits[:, -1]
+        logits = stream(ids, logits_to_keep=1).logits[:, -1]
         bad.logical_or_(~torch.isfinite(logits).all(-1))
         return logits
 
