@@ -18,7 +18,8 @@ import leapquant
 from leapquant.eval.model_eval import DEFAULT_MODEL, EvalConfig, evaluate_model, load_model
 
 CHECKPOINTS = ["qwen35-gdn-hybrid-byte", "kimi-kda-hybrid-byte"]
-RECALL_CHECKPOINTS = ["qwen35-gdn-tiny-recall-byte"]  # tests/test_recall.py covers them
+# the all-GDN recall models: tests/test_recall.py covers them
+RECALL_CHECKPOINTS = ["qwen35-gdn-linear-recall-byte", "qwen35-gdn-tiny-recall-byte"]
 
 
 @pytest.fixture(scope="module", params=CHECKPOINTS)
