@@ -13,10 +13,13 @@ if not torch.cuda.is_available():
     # (triton's own tl.sum, ... and our kernels) now, so a test that unsets the variable (the README's CPU
     # path) cannot leave compiled-only versions behind for the kernel tests that run after it
     import triton.language  # noqa: F401
+    from fast_interpreter import install
 
     import leapquant.ops.leapquant_decode.close
     import leapquant.ops.leapquant_decode.fused_recurrent
     import leapquant.ops.per_step_decode.fused_recurrent  # noqa: F401
+
+    install()
 
 
 @pytest.fixture(autouse=True)
