@@ -20,6 +20,13 @@ if not torch.cuda.is_available():
     import leapquant.ops.per_step_decode.fused_recurrent  # noqa: F401
 
     install()
+    # One intra-op thread. The two threads torch takes on a 2-core machine wait for each other at every op;
+    # while any other process wants a core, each wait can last a scheduler time slice, and loops of small
+    # ops ran 10-50x slower (the shipped-checkpoint drift test: 24 s alone, over 15 minutes beside another
+    # job). Most of the suite's time is one-thread work anyway (the Triton interpreter, Python loops).
+    if "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = "1"  # the same for the commands tests run in subprocesses
+        torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)
