@@ -17,8 +17,11 @@ class LeapQuantError(ValueError):
 
 
 def did_you_mean(name: str, choices: Iterable[str]) -> str:
-    """``"; did you mean 'x'?"`` for the closest of ``choices`` to ``name``, or ``""`` if none is close."""
+    """``"; did you mean 'x'?"`` for the closest of ``choices`` to ``name`` (``"; did you mean one of 'x',
+    'y'?"`` for a name cut short that starts several), or ``""`` if none is close."""
     key, choices = str(name).strip().lower(), list(choices)
     started = [c for c in choices if key and c.startswith(key)]  # a name cut short
     close = started if len(started) == 1 else difflib.get_close_matches(key, choices, n=1, cutoff=0.6)
+    if not close and len(started) > 1:
+        return f"; did you mean one of {', '.join(map(repr, started))}?"
     return f"; did you mean {close[0]!r}?" if close else ""
