@@ -18,7 +18,7 @@ import leapquant
 from leapquant.eval.model_eval import DEFAULT_MODEL, EvalConfig, evaluate_model, load_model
 
 CHECKPOINTS = ["qwen35-gdn-hybrid-byte", "kimi-kda-hybrid-byte"]
-# the all-GDN recall models: tests/test_recall.py covers them
+# the all-GDN recall models (scripts/train_recall.py); tests/test_recall.py scores the tiny one on the task
 RECALL_CHECKPOINTS = ["qwen35-gdn-linear-recall-byte", "qwen35-gdn-tiny-recall-byte"]
 
 
@@ -37,6 +37,22 @@ def test_checkpoints_are_found_by_name():
     assert (DEFAULT_MODEL / "config.json").is_file()
     with pytest.raises(leapquant.LeapQuantError, match="did you mean 'kimi-kda-hybrid-byte'"):
         leapquant.checkpoint_path("kimi-kda-hybrid")
+
+
+@pytest.mark.parametrize("name", RECALL_CHECKPOINTS)
+def test_recall_checkpoints_keep_every_memory_in_the_state(name):
+    """The recall models have no attention layer (the planted key can reach the query only through the
+    recurrent state), fit the issue's 30 MB limit, and their cards carry the FP32 recall they were
+    trained to, with the command that trained them."""
+    path = leapquant.checkpoint_path(name)
+    model, _ = load_model(path, "cpu")
+    assert set(model.config.layer_types) == {"linear_attention"}
+    assert (path / "model.safetensors").stat().st_size < 30 * 10**6
+    stats = json.loads((path / "decay_stats.json").read_text())
+    assert stats["params"] == sum(p.numel() for p in model.parameters())
+    assert "train_recall.py" in stats["command"] and "Recall training" in (path / "README.md").read_text()
+    best = max(acc for task in stats["recall_fp32"].values() for acc in task.values())
+    assert best >= 0.9  # it learned the task at its shortest evaluated distance at least
 
 
 def test_a_new_folder_is_a_new_checkpoint(tmp_path, monkeypatch):
