@@ -9,7 +9,14 @@
 #   EXAMPLES   prompts per distance (default 8)
 #   METHODS    default: the paper-table preset, one process each
 #   EVAL_SECONDS  per process (default 540); a process writes its JSON after every distance
+#
+# With FLA's wheels in .whl (carry it), the FP32 rows run the model's own FLA kernels, as a served model
+# would, instead of transformers' per-token torch fallback (a dozen launches per layer and token).
 set -uo pipefail
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 out=${OUT:-out}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 if [ -f .triton-cache/cache.tgz ]; then mkdir -p ~/.triton && tar xzf .triton-cache/cache.tgz -C ~/.triton; fi

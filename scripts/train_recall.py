@@ -8,8 +8,9 @@ byte, decay statistics and model card) and adds:
   attention, so every long memory must live in the recurrent state; ``gdn-hybrid`` / ``kda-hybrid``, the
   3 : 1 hybrids of the shipped checkpoints; ``gdn-tiny``, a 4-layer all-GDN model with 32x32 states for
   the CPU tests. Shapes come from ``leapquant.plan.presets.byte_hybrid_config``.
-* **warm start** (``--init-from DIR`` or ``shipped``): every tensor whose name and shape match a trained
-  checkpoint is copied (``shipped``: the shipped hybrid of the same family), so a 3-minute run continues
+* **warm start** (``--init-from DIR``, ``shipped`` or ``own``): every tensor whose name and shape match a
+  trained checkpoint is copied (``shipped``: the shipped hybrid of the same family; ``own``: the shipped
+  checkpoint of the model being trained when there is one, else the hybrid), so a 3-minute run continues
   from the shipped model; an all-linear model gets trained linear layers where the hybrid had them and fresh
   ones (gates initialised as in ``train_checkpoints.init_gates``) where it had attention.
 * **task mixture**: a fraction ``--recall-fraction`` of the training windows are recall examples
@@ -75,9 +76,18 @@ def build(model: str):
 
 
 @torch.no_grad()
-def warm_start(model, source: str, family: str) -> dict:
-    """Copy every tensor of ``source``'s checkpoint whose name and shape match; returns what was copied."""
-    path = DEFAULT_MODEL.parent / tc.NAMES[family] if source == "shipped" else Path(source)
+def warm_start(model, source: str, name: str) -> dict:
+    """Copy every tensor of ``source``'s checkpoint whose name and shape match; returns what was copied.
+
+    ``source``: a checkpoint directory, ``shipped`` (the shipped hybrid of ``name``'s family) or ``own``
+    (the shipped checkpoint ``NAMES[name]`` itself if it exists: a longer run continues the last one).
+    """
+    hybrid = DEFAULT_MODEL.parent / tc.NAMES[MODELS[name][0]]
+    own = DEFAULT_MODEL.parent / NAMES[name]
+    if source == "own":
+        path = own if (own / "config.json").is_file() else hybrid
+    else:
+        path = hybrid if source == "shipped" else Path(source)
     donor = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
     own = model.state_dict()
     copied = [k for k, v in donor.items() if k in own and own[k].shape == v.shape]
@@ -205,7 +215,7 @@ def run_model(name: str, corpus: dict, args, device, torch_paths, log) -> dict:
     torch.manual_seed(args.seed)
     model = build(name)
     init = tc.init_gates(model)
-    start = warm_start(model, args.init_from, family) if args.init_from else None
+    start = warm_start(model, args.init_from, name) if args.init_from else None
     n_params = tc.param_count(model)
     log(f"[{NAMES[name]}] {type(model).__name__}, {n_params:,} parameters; warm start {start}")
     tr = train(model.to(device), corpus["train"], args, device, log)
@@ -307,7 +317,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="writes OUT/<name>/ per model")
     p.add_argument("--minutes", type=float, default=3.0, help="training wall clock per model")
     p.add_argument(
-        "--init-from", help="'shipped' (the shipped hybrid of the same family) or a checkpoint DIR"
+        "--init-from",
+        help="a checkpoint DIR, 'shipped' (the shipped hybrid of the same family) or 'own' (the shipped "
+        "checkpoint of this model if there is one, else the hybrid)",
     )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seq", type=int, default=4096, help="bytes per training window")
