@@ -190,3 +190,21 @@ def test_recall_cli_runs_a_real_method_and_reports(tmp_path, capsys):
     assert main(["recall-report", str(out), str(out)]) == 2  # the same method twice: refused
     assert main(["recall-report", str(out)]) == 0
     assert "| `int8` | 1.031 | 100.0 | 100.0 |" in capsys.readouterr().out
+
+    # a process cut short before the longest distance: merged, its cell "not reached", the plot drawn;
+    # the same gap in a report that claims to be complete is a missing file, refused
+    short = json.loads(out.read_text())
+    row = short["methods"].pop("int8")
+    short["methods"]["int6"] = {k: ({"24": v["24"]} if isinstance(v, dict) else v) for k, v in row.items()}
+    for complete, code in ((False, 0), (True, 2)):
+        short["complete"] = complete
+        (tmp_path / "short.json").write_text(json.dumps(short))
+        merged = tmp_path / f"merged-{complete}.json"
+        argv = ["recall-report", str(out), str(tmp_path / "short.json"), "--merge", str(merged)]
+        assert main([*argv, "--plot", str(tmp_path / "m.png")]) == code
+        text = capsys.readouterr()
+        if code:
+            assert "'int6' has no result at distances [40]" in text.err and not merged.exists()
+            continue
+        assert "| `int6` | 1.031 | 100.0 | not reached |" in text.out and "cut short" in text.out
+        assert not json.loads(merged.read_text())["complete"] and (tmp_path / "m.png").stat().st_size > 0

@@ -171,10 +171,18 @@ def recall_markdown(report: dict) -> str:
 
 
 def merge_recall(reports: list[dict]) -> dict:
-    """One report from runs split by method or distance; they must share model, task and prompts."""
+    """One report from runs split by method or distance; they must share model, task and prompts.
+
+    A method may miss a distance only where a report holding it was cut short (``complete`` false: a
+    process that ran out of time keeps the distances it finished); its cell then reads "not reached".
+    A complete report missing a distance means a file was left out, and is refused.
+    """
     first = reports[0]
     merged = {**first, "methods": {}, "distances": [], "seconds": {}}
+    cut_short = set()
     for r in reports:
+        if not r["complete"]:
+            cut_short |= set(r["methods"])
         for key in ("model", "task", "examples", "prefix", "seed"):
             if r[key] != first[key]:
                 raise LeapQuantError(f"merge: reports differ in {key!r} ({r[key]!r} vs {first[key]!r})")
@@ -198,7 +206,7 @@ def merge_recall(reports: list[dict]) -> dict:
                     into.setdefault(key, {})[d] = v
     for name, row in merged["methods"].items():
         missing = [d for d in merged["distances"] if str(d) not in row.get("accuracy", {})]
-        if missing:
+        if missing and name not in cut_short:
             raise LeapQuantError(f"merge: method {name!r} has no result at distances {missing}")
     merged["complete"] = all(r["complete"] for r in reports)
     merged["merged_from"] = len(reports)

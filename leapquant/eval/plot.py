@@ -110,12 +110,13 @@ def plot_recall_accuracy(report: dict, path: str | Path, title: str | None = Non
     fig, ax = plt.subplots(figsize=(8.0, 4.6), dpi=130)
     colors = plt.get_cmap("tab20").colors + plt.get_cmap("tab20b").colors
     for i, (name, row) in enumerate(report["methods"].items()):
-        acc = [100 * row["accuracy"][str(d)] for d in dists]
-        bad = any(row["nonfinite"][str(d)] for d in dists)
+        have = [d for d in dists if str(d) in row["accuracy"]]  # a run cut short misses the longest
+        acc = [100 * row["accuracy"][str(d)] for d in have]
+        bad = any(row["nonfinite"][str(d)] for d in have)
         style = "-" if row["window"] > 1 else "--"
         color = "black" if name == "fp32" else colors[i % len(colors)]
         label = f"{name} ({row['bytes_per_element']:.2f} B/elem)" + (", non-finite" if bad else "")
-        ax.plot(dists, acc, style, marker="o", ms=3, lw=1.5, color=color, label=label)
+        ax.plot(have, acc, style, marker="o", ms=3, lw=1.5, color=color, label=label)
     ax.set_xscale("log", base=2)
     ax.set_xticks(dists, [f"{d // 1024}K" if d % 1024 == 0 else str(d) for d in dists])
     ax.set_ylim(-3, 103)

@@ -268,11 +268,15 @@ def evaluate_recall(
 
 
 def recall_table_rows(report: dict) -> list[tuple[str, ...]]:
-    """Rows for printing: method, bytes/element, exact-match accuracy % (and non-finite rows) per distance."""
+    """Rows for printing: method, bytes/element, exact-match accuracy % (and non-finite rows) per distance;
+    "not reached" where a run cut short (merged from several) never scored that distance."""
     out = []
     for name, row in report["methods"].items():
         cells = []
         for d in report["distances"]:
+            if str(d) not in row["accuracy"]:
+                cells.append("not reached")
+                continue
             acc, bad = row["accuracy"][str(d)], row["nonfinite"][str(d)]
             cells.append(f"{100 * acc:.1f}" + (f" ({bad} non-finite)" if bad else ""))
         out.append((name, f"{row['bytes_per_element']:.3f}", *cells))
