@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from leapquant.cli.main import main
-from leapquant.eval.model_eval import EvalConfig, evaluate_model, load_model, stdlib_text
+from leapquant.errors import LeapQuantError
+from leapquant.eval.model_eval import EvalConfig, evaluate_model, load_model, metrics_after, stdlib_text
 from leapquant.traces import load_trace
 
 
@@ -82,6 +83,19 @@ def test_eval_report(tiny_dir):
     assert rep["curves"]["tokens"] == [12, 24, 36, 48]
     assert set(rep["curves"]["layers"]) == {"0", "1", "2"}
     assert all(len(c) == 4 for c in rep["curves"]["layers"]["0"].values())
+    # KL and top-1 per stretch of 12 tokens: the stretches make up the run's means, and the late ones are
+    # what the run added after a partial report
+    for key in ("kl", "top1_agreement"):
+        for name in ("int4", "leapquant-int8"):
+            seg = rep["curves"][key][name]
+            assert len(seg) == 4 and sum(seg) / 4 == pytest.approx(rep["methods"][name][key], rel=1e-9)
+            late = metrics_after(rep, 24)[name]
+            assert late["from"] == 24 and late["tokens"] == 24
+            want = (48 * rep["methods"][name][key] - 24 * partial[1]["methods"][name][key]) / 24
+            assert late[key] == pytest.approx(want, rel=1e-9, abs=1e-15)
+    assert metrics_after(rep, 13)["int4"]["from"] == 24  # segments start at 0, 12, 24, 36
+    with pytest.raises(LeapQuantError, match="no curve segment starts at or after token 37"):
+        metrics_after(rep, 37)
     g = int4["generate"]
     assert g["tokens"] == 8 and g["prompts"] == 8 and 0 <= g["agreement"] <= 1
     assert len(g["first_divergence_per_prompt"]) == 8 and 0 <= g["first_divergence"] <= 8
@@ -184,6 +198,18 @@ def test_eval_report_markdown(tiny_dir, tmp_path, capsys):
     md = capsys.readouterr().out
     assert "| `int4` | 0.531 |" in md and "8 teacher-forced tokens" in md
     assert main(["eval-report", str(tmp_path / "missing.json")]) == 2
+    # --after: the late stretch of the run (8 tokens make 8 one-token segments)
+    report = json.loads(out.read_text())
+    assert main(["eval-report", str(out), "--after", "6"]) == 0
+    late = sum(report["curves"]["kl"]["int4"][6:]) / 2
+    md = capsys.readouterr().out
+    assert "tokens 7 to 8 of 8" in md and f"| `int4` | 0.531 | {late:.2e} |" in md
+    assert main(["eval-report", str(out), "--after", "8"]) == 2
+    assert "no curve segment starts at or after token 8" in capsys.readouterr().err
+    del report["curves"]["kl"]  # a report from before the segment curves
+    out.write_text(json.dumps(report))
+    assert main(["eval-report", str(out), "--after", "2"]) == 2
+    assert "no per-segment KL" in capsys.readouterr().err
 
 
 def test_eval_split_over_processes_merges_into_one_report(tiny_dir, tmp_path, capsys):

@@ -94,6 +94,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         type=output_file("file", PLOT),
         help="state error per layer (one report)",
     )
+    p.add_argument(
+        "--after",
+        metavar="N",
+        type=count(0),
+        help="also a table of KL and top-1 agreement over the tokens after the first N (from the curve "
+        "segments that start at or after N)",
+    )
     p.set_defaults(run=run_eval_report)
 
     p = sub.add_parser(
@@ -267,6 +274,25 @@ def eval_markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def after_markdown(report: dict, after: int) -> str:
+    """A markdown table of KL and top-1 agreement over the tokens after the first ``after``."""
+    from ..eval.model_eval import metrics_after
+
+    rows = metrics_after(report, after)
+    first = next(iter(rows.values()))
+    lines = [
+        f"`{Path(report['model']).name}`: tokens {first['from'] + 1} to {first['from'] + first['tokens']} of "
+        f"{report['tokens']} (curve segments from token {after} on).",
+        "",
+        "| method | bytes/elem | KL(fp32 \\|\\| m) nats/token | top-1 agreement |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for name, row in rows.items():
+        b = report["methods"][name]["bytes_per_element"]
+        lines.append(f"| `{name}` | {b:.3f} | {row['kl']:.2e} | {row['top1_agreement']:.4f} |")
+    return "\n".join(lines) + "\n"
+
+
 _EVAL_KEYS = ("architecture", "tokens", "prefill", "backend", "fp32", "methods")
 
 
@@ -293,6 +319,8 @@ def run_eval_report(args: argparse.Namespace) -> int:
 
             reports = [merge_reports(reports)]
         markdown = [eval_markdown(report) for report in reports]
+        if args.after is not None:
+            markdown += [after_markdown(report, args.after) for report in reports]
     except (KeyError, TypeError) as exc:  # a report with the keys but not their contents
         raise LeapQuantError(
             f"not a well-formed `leapquant eval` report ({type(exc).__name__}: {exc})"

@@ -8,6 +8,8 @@ token by token; :func:`leapquant.patch` gives each row its method's state. Per m
 * ``nll``: mean negative log-likelihood of the true next token, nats per token;
 * ``state_rel_err``: ``||S - S_fp32|| / ||S_fp32||`` over all linear-attention layers at the end, and the
   same per layer against decoded tokens (the paper's Figure 3);
+* curves of KL and top-1 agreement per stretch between curve points, so a method's standing late in a long
+  run can be read apart from its start (:func:`metrics_after`, ``leapquant eval-report --after N``);
 * with ``generate``: free-running greedy decoding beside FP32 from 8 prompts taken along the text, the mean
   fraction of equal tokens and the median index of the first divergence.
 
@@ -36,6 +38,7 @@ __all__ = [
     "evaluate_model",
     "load_model",
     "merge_reports",
+    "metrics_after",
     "record_trace",
     "stdlib_text",
 ]
@@ -181,6 +184,20 @@ def evaluate_model(
         {max(1, round(config.tokens * (i + 1) / config.curve_points)) for i in range(config.curve_points)}
     )
     curves: dict[int, list[list[float]]] = {}
+    running: list[tuple[list[float], list[float]]] = []  # (KL sums, top-1 counts) per row at each mark
+
+    def segments(done: list[int], which: int) -> dict[str, list[float]]:
+        """Per method, the mean of KL (``which`` 0) or top-1 agreement (1) over each stretch of tokens
+        between consecutive curve points."""
+        out = {name: [] for i, name in enumerate(rows) if i}
+        prev_mark, prev = 0, [0.0] * len(rows)
+        for mark, sums in zip(done, running, strict=False):
+            cur = sums[which]
+            for i, name in enumerate(rows):
+                if i:
+                    out[name].append((cur[i] - prev[i]) / (mark - prev_mark))
+            prev_mark, prev = mark, cur
+        return out
 
     def report(n: int, states: dict, generated: dict) -> dict:
         methods = {}
@@ -221,6 +238,9 @@ def evaluate_model(
                     str(layer): {name: [pt[i] for pt in pts] for i, name in enumerate(rows) if i}
                     for layer, pts in curves.items()
                 },
+                # the mean over the tokens since the previous curve point (segment j ends at tokens[j])
+                "kl": segments(done, 0),
+                "top1_agreement": segments(done, 1),
             },
         }
 
@@ -238,6 +258,7 @@ def evaluate_model(
                 nll -= logp[:, targets[t + 1]]
                 agree += (logp.argmax(-1) == logp[0].argmax()).double()
                 if step + 1 in marks:
+                    running.append((kl.tolist(), agree.tolist()))
                     states = patched.states(cache)
                     for layer, st in states.items():
                         curves.setdefault(layer, []).append([_rel(st[i], st[0]) for i in range(len(rows))])
@@ -391,9 +412,43 @@ def merge_reports(reports: Sequence[dict]) -> dict:
             merged["methods"][name] = row
         for layer, curves in r["curves"]["layers"].items():
             merged["curves"]["layers"].setdefault(layer, {}).update(curves)
+        for key in SEGMENT_CURVES:  # absent from reports made before they were recorded
+            if key in r["curves"]:
+                merged["curves"].setdefault(key, {}).update(r["curves"][key])
     merged["complete"] = all(r["complete"] for r in reports)
     merged["merged_from"] = len(reports)
     return merged
+
+
+SEGMENT_CURVES = ("kl", "top1_agreement")
+
+
+def metrics_after(report: dict, after: int) -> dict[str, dict]:
+    """KL and top-1 agreement per method over the tokens after the first ``after`` (the curve segments
+    that start at or after it, each weighted by its tokens): whether a method is ahead at long context,
+    which the means over the whole run blur.  Returns ``{method: {"kl", "top1_agreement", "from",
+    "tokens"}}``; raises :class:`LeapQuantError` for a report without segment curves or when no segment
+    starts that late."""
+    curves = report["curves"]
+    if any(key not in curves for key in SEGMENT_CURVES):
+        raise LeapQuantError(
+            "this report has no per-segment KL (made by an older leapquant eval): run the evaluation again"
+        )
+    ends = curves["tokens"]
+    starts = [0, *ends[:-1]]
+    picked = [j for j, start in enumerate(starts) if start >= after]
+    if not picked:
+        raise LeapQuantError(
+            f"--after {after}: no curve segment starts at or after token {after} "
+            f"(segments start at {', '.join(map(str, starts))})"
+        )
+    weights = {j: ends[j] - starts[j] for j in picked}
+    n = sum(weights.values())
+    out = {}
+    for name in report["methods"]:
+        row = {key: sum(curves[key][name][j] * w for j, w in weights.items()) / n for key in SEGMENT_CURVES}
+        out[name] = {**row, "from": starts[picked[0]], "tokens": n}
+    return out
 
 
 def methods_table_rows(report: dict) -> Sequence[tuple[str, ...]]:
