@@ -1,0 +1,128 @@
+#!/usr/bin/env python
+"""Are FLA's chunked GDN and KDA kernels right on this GPU, forward and backward? (GPU only.)
+
+The training scripts keep FLA off the path because FLA 0.6.0's chunked GDN backward gives wrong gradients
+on Hopper (its issue 640), which leaves KDA training on transformers' torch path at ~1/7 of GDN's tokens
+per second (``scripts/gpu-train-recall.sh``: 1.6M tokens in 6.5 minutes, too few to learn the recall task).
+This script measures whether each kernel may be trusted: ``chunk_gated_delta_rule`` and ``chunk_kda``
+(q/k L2-normalised in the kernel, fp32 inputs, an initial state, a final state) against a float64 token
+loop with FLA's semantics (decay before the delta read), outputs and the gradients of every input, on
+random inputs of a few chunk lengths. It prints one line per kernel and case and writes a JSON with
+``--json``; exit status 1 if any relative error exceeds ``--tol``.
+
+    python scripts/check_fla_backward.py --json out/fla-backward.json      # on the GPU, FLA installed
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+
+
+def reference(q, k, v, g, beta, h0, scale: float):
+    """float64 token loop: ``S' = Diag(exp g) S; u = beta (v - S'^T k); S = S' + k u^T; o = S^T (scale q)``.
+
+    Shapes (FLA's): ``q, k [B, T, H, K]``, ``v [B, T, H, V]``, ``g [B, T, H]`` (GDN) or ``[B, T, H, K]``
+    (KDA), ``beta [B, T, H]``, ``h0 [B, H, K, V]``; returns ``o [B, T, H, V]`` and the final state.
+    """
+    q, k = F.normalize(q, dim=-1, eps=1e-6), F.normalize(k, dim=-1, eps=1e-6)
+    s = h0
+    outs = []
+    for t in range(q.shape[1]):
+        a = g[:, t].exp()
+        s = s * (a[..., None, None] if a.ndim == 2 else a[..., None])
+        u = beta[:, t, :, None] * (v[:, t] - torch.einsum("bhkv,bhk->bhv", s, k[:, t]))
+        s = s + k[:, t, :, :, None] * u[:, :, None, :]
+        outs.append(torch.einsum("bhkv,bhk->bhv", s, scale * q[:, t]))
+    return torch.stack(outs, 1), s
+
+
+def inputs(family: str, b: int, t: int, h: int, d: int, seed: int, device):
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    q, k, v = rnd(b, t, h, d), rnd(b, t, h, d), rnd(b, t, h, d)
+    shape = (b, t, h) if family == "gdn" else (b, t, h, d)
+    # log decays spread over short and long memories, as in a trained model's gates
+    g = -torch.exp(rnd(*shape) * 1.5 - 3.0)
+    beta = torch.sigmoid(rnd(b, t, h))
+    h0 = rnd(b, h, d, d) * 0.1
+    return [x.to(device) for x in (q, k, v, g, beta, h0)]
+
+
+def run_fla(family: str, q, k, v, g, beta, h0, scale: float):
+    if family == "gdn":
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fn
+    else:
+        from fla.ops.kda import chunk_kda as fn
+    return fn(q, k, v, g=g, beta=beta, scale=scale, initial_state=h0, output_final_state=True,
+              use_qk_l2norm_in_kernel=True)  # fmt: skip
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def check(family: str, t: int, seed: int, device) -> dict:
+    b, h, d = 2, 4, 128
+    scale = d**-0.5
+    base = inputs(family, b, t, h, d, seed, device)
+    ref_in = [x.clone().requires_grad_() for x in base]
+    fla_in = [x.float().clone().requires_grad_() for x in base]
+    o_ref, s_ref = reference(*ref_in, scale)
+    o_fla, s_fla = run_fla(family, *fla_in, scale)
+    # one random projection of both outputs, so every gradient path is exercised
+    gen = torch.Generator(device="cpu").manual_seed(seed + 1)
+    w_o = torch.randn(o_ref.shape, generator=gen, dtype=torch.float64).to(device)
+    w_s = torch.randn(s_ref.shape, generator=gen, dtype=torch.float64).to(device)
+    ((o_ref * w_o).sum() + (s_ref * w_s).sum()).backward()
+    ((o_fla.double() * w_o).sum() + (s_fla.double() * w_s).sum()).backward()
+    names = ("q", "k", "v", "g", "beta", "h0")
+    errors = {"o": rel(o_fla, o_ref), "final_state": rel(s_fla, s_ref)}
+    errors |= {f"d{n}": rel(x.grad, r.grad) for n, x, r in zip(names, fla_in, ref_in, strict=True)}
+    return {"family": family, "tokens": t, "seed": seed, "rel_err": errors}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--families", nargs="+", choices=("gdn", "kda"), default=["gdn", "kda"])
+    p.add_argument("--tokens", type=int, nargs="+", default=[64, 200, 512])
+    p.add_argument("--tol", type=float, default=2e-2, help="largest relative error accepted (tf32 dots)")
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("error: FLA's kernels need a GPU")
+    import fla
+
+    device = torch.device("cuda")
+    rows = [check(f, t, seed=i, device=device) for f in args.families for i, t in enumerate(args.tokens)]
+    worst = 0.0
+    for r in rows:
+        errs = r["rel_err"]
+        worst = max(worst, *errs.values())
+        bad = [k for k, e in errs.items() if not e <= args.tol]
+        cells = " ".join(f"{k} {e:.1e}" for k, e in errs.items())
+        print(f"{r['family']} T={r['tokens']:4d}: {cells}  {'FAIL ' + ','.join(bad) if bad else 'ok'}")
+    out = {
+        "rows": rows,
+        "tol": args.tol,
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "fla": getattr(fla, "__version__", None),
+        "triton": __import__("triton").__version__,
+    }
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0 if worst <= args.tol else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
