@@ -8,6 +8,7 @@
 #   MODELS    default "gdn-linear gdn-hybrid kda-linear" (also: kda-hybrid, gdn-tiny)
 #   INIT      default "shipped": warm start from the shipped hybrid of the same family
 #   EXTRA     more train_recall.py flags, e.g. "--max-distance 3072 --seq 4096"
+#   GDN_BATCH windows per step of the GDN models (default 32)
 #   TINY      1: also train gdn-tiny, the CI-sized model, in a fourth process (default 0: the shipped one was
 #             trained on a 2-core CPU in 10 minutes, the command in its model card)
 #
@@ -27,8 +28,10 @@ gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/d
 kda_batch=4; [ "${gpu_mib:-0}" -lt 100000 ] && kda_batch=2
 pids=()
 for model in ${MODELS:-gdn-linear gdn-hybrid kda-linear}; do
-  # KDA's torch path runs ~4.5x fewer tokens/s than GDN's: a smaller batch gives it more steps
-  batch=16; case $model in kda-*) batch=$kda_batch ;; gdn-*) batch=8 ;; esac
+  # GDN's torch path is launch-bound (batch 8 x 4096 bytes: 1.2 s a step on an H100, ~28K tokens/s), so a
+  # larger batch buys tokens at little cost in steps; train_recall.py halves a batch that runs out of memory.
+  # KDA's path runs ~7x fewer tokens/s and holds far more memory per window: a small batch.
+  batch=16; case $model in kda-*) batch=$kda_batch ;; gdn-*) batch=${GDN_BATCH:-32} ;; esac
   python3 scripts/train_recall.py --model "$model" --init-from "${INIT:-shipped}" --minutes "${MINUTES:-5}" \
     --batch "$batch" --out "$out/ckpt" ${EXTRA:-} > "$out/train-$model.log" 2>&1 &
   pids+=($!)

@@ -145,15 +145,27 @@ def train(model, corpus: torch.Tensor, args, device, log) -> dict:
             group["lr"] = lr
         x, mask, max_d = batches(corpus, args, frac, gen)
         x, mask = x.to(device).long(), mask.to(device)
-        with tc.autocast(device):
-            logits = model(input_ids=x[:, :-1], use_cache=False).logits
-        ce = F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten(), reduction="none").view(
-            x.shape[0], -1
-        )
-        answer = mask[:, 1:]
-        lm = ce.mean()
-        ans = (ce * answer).sum() / answer.sum().clamp_min(1)
-        (lm + args.answer_weight * ans).backward()
+        try:
+            with tc.autocast(device):
+                logits = model(input_ids=x[:, :-1], use_cache=False).logits
+            ce = F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten(), reduction="none").view(
+                x.shape[0], -1
+            )
+            answer = mask[:, 1:]
+            lm = ce.mean()
+            ans = (ce * answer).sum() / answer.sum().clamp_min(1)
+            (lm + args.answer_weight * ans).backward()
+        except torch.cuda.OutOfMemoryError:
+            # torch's chunked path is launch-bound, so a large batch costs little time per step; where it
+            # does not fit (another model shares the GPU, a smaller card), halve it and go on
+            if args.batch == 1:
+                raise
+            logits = ce = lm = ans = None
+            opt.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+            args.batch //= 2
+            log(f"  out of memory at step {steps + 1}: batch now {args.batch}")
+            continue
         lm, ans = lm.detach(), ans.detach()
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         opt.step()

@@ -90,3 +90,30 @@ def test_cpu_smoke_trains_saves_and_reloads(tc, tmp_path):
         assert ids[0].tolist() == [b + 3 for b in text.encode()] and tok.decode(ids[0]) == text
         gen = model.generate(ids, max_new_tokens=4, do_sample=False)
         assert gen.shape == (1, ids.shape[1] + 4)
+
+
+def test_recall_training_halves_the_batch_when_memory_runs_out(tc, monkeypatch):
+    """scripts/train_recall.py: a step that runs out of GPU memory is dropped and the batch halved, and
+    training goes on at the smaller batch (a large batch costs little time on the launch-bound torch path)."""
+    spec = importlib.util.spec_from_file_location("train_recall", SCRIPT.with_name("train_recall.py"))
+    tr = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tr)
+    model = tr.build("gdn-tiny")
+    args = tr.parse_args(["--out", "unused", "--device", "cpu", "--seq", "256", "--batch", "4", "--max-steps",
+                          "3", "--min-distance", "8", "--max-distance", "16", "--minutes", "5"])  # fmt: skip
+    corpus = torch.randint(3, 200, (20_000,), dtype=torch.uint8)
+    forward, calls, batches = model.forward, [0], []
+
+    def forward_that_fails_once(*a, **kw):
+        calls[0] += 1
+        batches.append(kw["input_ids"].shape[0])
+        if calls[0] == 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        return forward(*a, **kw)
+
+    monkeypatch.setattr(model, "forward", forward_that_fails_once)
+    lines = []
+    report = tr.train(model, corpus, args, torch.device("cpu"), lines.append)
+    assert "  out of memory at step 2: batch now 2" in lines
+    assert batches == [4, 4, 2, 2] and report["steps"] == 3 and report["micro_batch"] == 2
+    assert report["tokens"] == 256 * (4 + 2 + 2)
