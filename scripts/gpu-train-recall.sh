@@ -12,7 +12,8 @@
 #   TINY      1: also train gdn-tiny, the CI-sized model, in a fourth process (default 0: the shipped one was
 #             trained on a 2-core CPU in 10 minutes, the command in its model card)
 #
-# Device time: MINUTES + ~2 minutes. Output: $OUT/recall-ckpt.tgz (the checkpoints) and $OUT/train-*.log.
+# Device time: MINUTES + ~2 minutes. Output: $OUT/recall-ckpt-NAME.tgz.part-* (each checkpoint) and
+# $OUT/train-*.log.
 set -uo pipefail
 out=${OUT:-out}; mkdir -p "$out/ckpt"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
@@ -46,4 +47,10 @@ if [ "${TINY:-0}" = 1 ]; then
 fi
 for p in "${pids[@]}"; do wait "$p" || echo "a training process failed (exit $?)"; done
 grep -h "^\[\|done in\|error" "$out"/train-*.log | cut -c1-400
-tar czf "$out/recall-ckpt.tgz" -C "$out/ckpt" . && rm -rf "$out/ckpt"
+# the device returns files of at most 16 MB, and one 8-layer checkpoint is ~15 MB: an archive per model, cut
+# into 15 MB parts (rejoin: cat recall-ckpt-NAME.tgz.part-* | tar xz)
+for dir in "$out"/ckpt/*/; do
+  name=$(basename "$dir")
+  tar czf - -C "$out/ckpt" "$name" | split -b 15m - "$out/recall-ckpt-$name.tgz.part-"
+done
+rm -rf "$out/ckpt"
