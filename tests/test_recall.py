@@ -207,4 +207,6 @@ def test_recall_cli_runs_a_real_method_and_reports(tmp_path, capsys):
             assert "'int6' has no result at distances [40]" in text.err and not merged.exists()
             continue
         assert "| `int6` | 1.031 | 100.0 | not reached |" in text.out and "cut short" in text.out
-        assert not json.loads(merged.read_text())["complete"] and (tmp_path / "m.png").stat().st_size > 0
+        joined = json.loads(merged.read_text())
+        assert not joined["complete"] and (tmp_path / "m.png").stat().st_size > 0
+        assert [r["methods"] for r in joined["seconds_by_run"]] == [["int8"], ["int6"]]

@@ -210,6 +210,10 @@ def merge_recall(reports: list[dict]) -> dict:
             raise LeapQuantError(f"merge: method {name!r} has no result at distances {missing}")
     merged["complete"] = all(r["complete"] for r in reports)
     merged["merged_from"] = len(reports)
+    # each run's own wall time per distance (``seconds`` above is only the last run's, per distance)
+    merged["seconds_by_run"] = [
+        {"methods": [m for m in r["methods"] if m != "fp32"], "seconds": r["seconds"]} for r in reports
+    ]
     return merged
 
 
