@@ -151,8 +151,9 @@ def run_recall(args: argparse.Namespace) -> int:
 
 
 def recall_markdown(report: dict) -> str:
-    """A markdown table of one ``leapquant recall`` report."""
-    from ..eval.recall import recall_table_rows
+    """Markdown tables of one ``leapquant recall`` report: accuracy, then agreement with FP32 and state
+    error."""
+    from ..eval.recall import recall_table_rows, state_table_rows
 
     prov = report.get("provenance", {})
     done = "" if report.get("complete", True) else " (cut short: partial report)"
@@ -167,6 +168,15 @@ def recall_markdown(report: dict) -> str:
         "| --- | ---: |" + " ---: |" * len(dists),
     ]
     lines += [f"| `{r[0]}` | " + " | ".join(r[1:]) + " |" for r in recall_table_rows(report)]
+    lines += [
+        "",
+        "Decoded answers equal to FP32's, and the state error ||S - S_fp32|| / ||S_fp32|| after the last "
+        "answer, by distance.",
+        "",
+        "| method | " + " | ".join([*(f"= FP32 {d}" for d in dists), *(f"err {d}" for d in dists)]) + " |",
+        "| --- |" + " ---: |" * (2 * len(dists)),
+    ]
+    lines += [f"| `{r[0]}` | " + " | ".join(r[1:]) + " |" for r in state_table_rows(report)]
     return "\n".join(lines) + "\n"
 
 

@@ -36,6 +36,7 @@ __all__ = [
     "recall_table_rows",
     "resolve_methods",
     "score_examples",
+    "state_table_rows",
 ]
 
 # The rows of the paper's task table (per-step formats, the Table 2 ablation, LeapQuant at 8/6/4 bits and the
@@ -265,6 +266,25 @@ def evaluate_recall(
         unpatch(model)
     report["complete"] = True
     return report
+
+
+def state_table_rows(report: dict) -> list[tuple[str, ...]]:
+    """Rows for printing: method, then per distance the decoded answers equal to FP32's (``k/n``) and the
+    state error after the last answer. Where accuracy cannot separate the methods (FP32 itself misses the
+    keys), these still show how far each state is from FP32's."""
+    n = report["examples"] * report.get("pairs", 1)
+    out = []
+    for name, row in report["methods"].items():
+        agree, err = [], []
+        for d in report["distances"]:
+            if str(d) not in row["agree_fp32"]:
+                agree.append("")
+                err.append("")
+                continue
+            agree.append(f"{round(n * row['agree_fp32'][str(d)])}/{n}")
+            err.append(f"{row['state_rel_err'][str(d)]:.2g}")
+        out.append((name, *agree, *err))
+    return out
 
 
 def recall_table_rows(report: dict) -> list[tuple[str, ...]]:
