@@ -29,8 +29,9 @@ gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/d
 kda_batch=4; [ "${gpu_mib:-0}" -lt 100000 ] && kda_batch=2
 pids=()
 for model in ${MODELS:-gdn-linear gdn-hybrid kda-linear}; do
-  # GDN's torch path is launch-bound (batch 8 x 4096 bytes: 1.2 s a step on an H100, ~28K tokens/s), so a
-  # larger batch buys tokens at little cost in steps; train_recall.py halves a batch that runs out of memory.
+  # GDN's torch path took 1.2 s a step at batch 8 x 4096 bytes on an H100 (~28K tokens/s), which for a 7M-
+  # parameter model suggests launches, not arithmetic, so a larger batch should buy tokens at little cost
+  # in steps (not yet measured at 32); train_recall.py halves a batch that runs out of memory.
   # KDA's path runs ~7x fewer tokens/s and holds far more memory per window: a small batch.
   batch=16; case $model in kda-*) batch=$kda_batch ;; gdn-*) batch=${GDN_BATCH:-32} ;; esac
   python3 scripts/train_recall.py --model "$model" --init-from "${INIT:-shipped}" --minutes "${MINUTES:-5}" \

@@ -83,9 +83,9 @@ def warm_start(model, source: str, name: str) -> dict:
     (the shipped checkpoint ``NAMES[name]`` itself if it exists: a longer run continues the last one).
     """
     hybrid = DEFAULT_MODEL.parent / tc.NAMES[MODELS[name][0]]
-    own = DEFAULT_MODEL.parent / NAMES[name]
+    shipped_self = DEFAULT_MODEL.parent / NAMES[name]
     if source == "own":
-        path = own if (own / "config.json").is_file() else hybrid
+        path = shipped_self if (shipped_self / "config.json").is_file() else hybrid
     else:
         path = hybrid if source == "shipped" else Path(source)
     donor = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
@@ -156,8 +156,9 @@ def train(model, corpus: torch.Tensor, args, device, log) -> dict:
             ans = (ce * answer).sum() / answer.sum().clamp_min(1)
             (lm + args.answer_weight * ans).backward()
         except torch.cuda.OutOfMemoryError:
-            # torch's chunked path is launch-bound, so a large batch costs little time per step; where it
-            # does not fit (another model shares the GPU, a smaller card), halve it and go on
+            # the GPU scripts ask for a large batch (on the torch chunked path a step's time seems to be
+            # launches more than arithmetic); where it does not fit (another model shares the GPU, a
+            # smaller card), halve it and go on
             if args.batch == 1:
                 raise
             logits = ce = lm = ans = None

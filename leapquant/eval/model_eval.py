@@ -191,7 +191,7 @@ def evaluate_model(
         between consecutive curve points."""
         out = {name: [] for i, name in enumerate(rows) if i}
         prev_mark, prev = 0, [0.0] * len(rows)
-        for mark, sums in zip(done, running, strict=False):
+        for mark, sums in zip(done, running, strict=True):
             cur = sums[which]
             for i, name in enumerate(rows):
                 if i:
