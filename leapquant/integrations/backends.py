@@ -168,13 +168,27 @@ class ReferenceState:
 
 
 class KernelState:
-    """A Triton-kernel pool, one slot per batch row (LeapQuant pool, or per-step pool for bf16/int8)."""
+    """A Triton-kernel pool, one slot per batch row (LeapQuant pool, or per-step pool for bf16/int8).
 
-    def __init__(self, method: MethodConfig, decay: str) -> None:
+    On CUDA a step is a few kernel launches whose host-side work (argument packing for ~35 arguments,
+    input conversion, launch-shape resolution) costs more than the GPU work at small batches, so from the
+    second step on the step replays a CUDA graph captured for the inputs' shapes and dtypes. The first
+    step of each shape runs eagerly: it compiles the kernels and creates the pool's workspaces, and it
+    advances the state as every step must (a warm-up run off the capture would apply the in-place update
+    twice). The kernels keep every host-side decision fixed between steps (window positions, the close
+    list and its count live on the GPU), so a replay is the eager step bit for bit.
+    """
+
+    def __init__(self, method: MethodConfig, decay: str, *, graphs: bool = True) -> None:
         self.method = method
         self.decay = decay
+        self.graphs = graphs
         self.pool = None
         self.slots: torch.Tensor | None = None
+        # (key, graph, static inputs, static output) once captured; False where capture failed (eager
+        # from then on); None until the shape has run eagerly once
+        self._graph: tuple | bool | None = None
+        self._seen: tuple | None = None
 
     @staticmethod
     def unsupported(method: MethodConfig) -> str | None:
@@ -191,6 +205,7 @@ class KernelState:
         from ..ops.per_step_decode import PerStepPool
         from ..ops.pool import LeapQuantPool, PoolConfig
 
+        self._forget_graph()
         b, hv, d_k, d_v = state.shape
         self.slots = torch.arange(b, dtype=torch.int32, device=state.device)
         if self.method.window == 1:
@@ -201,7 +216,7 @@ class KernelState:
             self.pool = LeapQuantPool.allocate(cfg, b, device=state.device)
             load_states(self.pool, self.slots, state.float())
 
-    def step(self, q, k, v, g, beta, use_qk_l2norm: bool = True) -> torch.Tensor:
+    def _eager_step(self, q, k, v, g, beta, use_qk_l2norm: bool) -> torch.Tensor:
         from ..ops.leapquant_decode import leapquant_decode
         from ..ops.per_step_decode import PerStepPool, per_step_decode
 
@@ -209,6 +224,41 @@ class KernelState:
         if isinstance(self.pool, PerStepPool):
             return per_step_decode(self.pool, self.slots, *f32, use_qk_l2norm=use_qk_l2norm)
         return leapquant_decode(self.pool, self.slots, *f32, use_qk_l2norm=use_qk_l2norm, validate=False)
+
+    def step(self, q, k, v, g, beta, use_qk_l2norm: bool = True) -> torch.Tensor:
+        inputs = (q, k, v, g, beta)
+        if not self.graphs or self.slots.device.type != "cuda" or self._graph is False:
+            return self._eager_step(*inputs, use_qk_l2norm)
+        key = (tuple((x.shape, x.dtype) for x in inputs), use_qk_l2norm)
+        if self._graph is None or self._graph[0] != key:
+            if self._seen != key:  # the first step of this shape: eager (compiles, allocates, advances)
+                self._graph, self._seen = None, key
+                return self._eager_step(*inputs, use_qk_l2norm)
+            self._graph = self._capture(key, inputs, use_qk_l2norm)
+            if self._graph is False:
+                return self._eager_step(*inputs, use_qk_l2norm)
+        _, graph, static_in, static_out = self._graph
+        for dst, src in zip(static_in, inputs, strict=True):
+            dst.copy_(src)
+        graph.replay()
+        return static_out.clone()  # the next replay overwrites static_out
+
+    def _capture(self, key: tuple, inputs: tuple, use_qk_l2norm: bool):
+        """``(key, graph, static inputs, static output)`` of one step, or False if it cannot be captured.
+        Capturing launches nothing: the pool is unchanged until the first replay."""
+        static_in = tuple(torch.empty(x.shape, dtype=torch.float32, device=x.device) for x in inputs)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                static_out = self._eager_step(*static_in, use_qk_l2norm)
+        except RuntimeError:
+            return False
+        return key, graph, static_in, static_out
+
+    def _forget_graph(self) -> None:
+        """The pool's tensors were replaced (load, select_rows): a graph would address the old ones."""
+        self._graph = None if self._graph is not False else False
+        self._seen = None
 
     def materialize(self) -> torch.Tensor:
         from ..ops.leapquant_decode import materialize_states
@@ -222,6 +272,7 @@ class KernelState:
         from ..ops.per_step_decode import PerStepPool
 
         # Rows may repeat (beam search keeps a beam twice): copy slots, never alias them.
+        self._forget_graph()
         rows = rows.to(self.slots.device).long()
         if isinstance(self.pool, PerStepPool):
             self.pool.state = self.pool.state[rows].clone()
