@@ -57,18 +57,21 @@ def _residual_rows(payload, i_s, o_v, o_k, K: tl.constexpr, V: tl.constexpr, RES
 
 
 @triton.jit
-def _residual_codes(payload, i_s, o_v, o_k, K: tl.constexpr, V: tl.constexpr, RESIDUAL: tl.constexpr):
-    """Integer residual codes of value rows ``o_v`` as int8 ``[BV, K]`` (int4 unpacked, keys in natural
-    order): the tensor-core operand, no conversion to float."""
-    if RESIDUAL == 4:
-        o_k2 = tl.arange(0, K // 2)
-        b_byte = tl.load(payload + i_s * V * (K // 2) + o_v[:, None] * (K // 2) + o_k2[None, :])
-        b_byte = b_byte.to(tl.int8, bitcast=True)
-        b_lo = (b_byte << 4) >> 4  # arithmetic shifts sign-extend each nibble
-        b_hi = b_byte >> 4
-        return tl.reshape(tl.join(b_lo, b_hi), (o_v.shape[0], K))
-    else:
-        return tl.load(payload + i_s * V * K + o_v[:, None] * K + o_k[None, :])
+def _residual_codes(payload, i_s, o_v, o_k, K: tl.constexpr, V: tl.constexpr):
+    """Integer residual codes of value rows ``o_v`` as int8 ``[BV, K]`` (int8/int6 storage): the
+    tensor-core operand, no conversion to float."""
+    return tl.load(payload + i_s * V * K + o_v[:, None] * K + o_k[None, :])
+
+
+@triton.jit
+def _residual_nibbles(payload, i_s, o_v, K: tl.constexpr, V: tl.constexpr):
+    """The int4 codes of value rows ``o_v`` as two int8 ``[BV, K/2]`` planes, the even keys (low nibbles)
+    and the odd keys (high nibbles), as they are stored: each plane is a product operand against the
+    matching half of the read vector, so no code is moved into key order."""
+    o_k2 = tl.arange(0, K // 2)
+    b_byte = tl.load(payload + i_s * V * (K // 2) + o_v[:, None] * (K // 2) + o_k2[None, :])
+    b_byte = b_byte.to(tl.int8, bitcast=True)
+    return (b_byte << 4) >> 4, b_byte >> 4  # arithmetic shifts sign-extend each nibble
 
 
 @triton.jit
@@ -114,16 +117,17 @@ def _pack4(b0, b1, b2, b3):
 
 
 @triton.jit
-def _limb_rows(x, y):
-    """The ``[16, K]`` int8 operand whose rows are the limbs of ``x`` (rows 0-3) and ``y`` (rows 4-7; rows
-    8-15 zero: ``tl.dot`` needs 16); ``_limb_weights`` undoes the scales.
+def _limb_rows(x, y, ex, ey):
+    """The ``[16, J]`` int8 operand whose rows are the limbs of ``x`` (rows 0-3) and ``y`` (rows 4-7; rows
+    8-15 zero: ``tl.dot`` needs 16) in the fixed-point scales ``2^ex``, ``2^ey`` (``_limb_exponent`` of
+    the whole vectors, so the two key halves of an int4 read share them); ``_limb_weights`` undoes them.
 
     Each key's four limbs are packed into one int32 word, so row ``n`` is one byte shift of a word (a
     select chain over eight limbs costs seven instructions an element).  Rows, not columns: Triton keeps
     a ``[K, 16]`` operand built in registers in a byte-gathered shared layout that it reloads at every use.
     """
-    x0, x1, x2, x3 = _fixed_point_limbs(x, _limb_exponent(x))
-    y0, y1, y2, y3 = _fixed_point_limbs(y, _limb_exponent(y))
+    x0, x1, x2, x3 = _fixed_point_limbs(x, ex)
+    y0, y1, y2, y3 = _fixed_point_limbs(y, ey)
     w_x = _pack4(x0, x1, x2, x3)
     w_y = _pack4(y0, y1, y2, y3)
     n = tl.arange(0, 16)
@@ -543,7 +547,15 @@ def step_tc_kernel(
         e_b = _exponent(tl.max(tl.abs(b_wb)))
         e_q = _exponent(tl.max(tl.abs(b_wq)))
     b_pieces, b_pwb, b_pwq = _piece_columns(b_wb, b_wq, e_b, e_q)
-    b_limbs = _limb_rows(b_rb, b_rq)
+    e_rb = _limb_exponent(b_rb)
+    e_rq = _limb_exponent(b_rq)
+    if RESIDUAL == 4:  # limbs of the even and the odd keys, to meet the two nibble planes
+        b_rb_even, b_rb_odd = tl.split(tl.reshape(b_rb, (K // 2, 2)))
+        b_rq_even, b_rq_odd = tl.split(tl.reshape(b_rq, (K // 2, 2)))
+        b_limbs_even = _limb_rows(b_rb_even, b_rq_even, e_rb, e_rq)
+        b_limbs_odd = _limb_rows(b_rb_odd, b_rq_odd, e_rb, e_rq)
+    else:
+        b_limbs = _limb_rows(b_rb, b_rq, e_rb, e_rq)
     b_lwb, b_lwq = _limb_weights(b_rb, b_rq)
     b_kw = b_kw.to(rec_k.dtype.element_ty)  # stored precision; the output reads the record back
     b_kwq = tl.sum(b_kw.to(tl.float32) * b_q)
@@ -551,8 +563,13 @@ def step_tc_kernel(
     # -- value rows in chunks: residual, records and tokens, each one product ----------------------------
     for v0 in tl.range(0, V, BV, num_stages=STAGES):
         o_v = v0 + o_b
-        b_codes = _residual_codes(payload, i_s, o_v, o_k, K, V, RESIDUAL)
-        b_accs = tl.dot(b_codes, tl.trans(b_limbs), out_dtype=tl.int32).to(tl.float32)  # [BV, 16]
+        if RESIDUAL == 4:
+            b_even, b_odd = _residual_nibbles(payload, i_s, o_v, K, V)
+            b_acci = tl.dot(b_even, tl.trans(b_limbs_even), out_dtype=tl.int32)
+            b_accs = tl.dot(b_odd, tl.trans(b_limbs_odd), acc=b_acci, out_dtype=tl.int32).to(tl.float32)
+        else:
+            b_codes = _residual_codes(payload, i_s, o_v, o_k, K, V)
+            b_accs = tl.dot(b_codes, tl.trans(b_limbs), out_dtype=tl.int32).to(tl.float32)  # [BV, 16]
         b_ru = tl.load(rec_u + (i_s * P + o_p[:, None]) * V + o_v[None, :], mask=mask_p[:, None], other=0)
         b_accr = tl.dot(tl.trans(b_ru), b_pieces)  # [BV, 16] fp32
         if R > 0:

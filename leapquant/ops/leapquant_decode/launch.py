@@ -127,12 +127,13 @@ class LaunchConfig:
 
 def tensor_core_step(cfg, launch: LaunchConfig) -> bool:
     """Whether the step runs on tensor cores (``step_tc_kernel``): integer residual codes, fp16 records,
-    and head dims the products tile (int8 products take 32 keys at a time, at least 16 value rows)."""
+    and head dims the products tile (int8 products take 32 keys at a time, at least 16 value rows; packed
+    int4 codes are two products over half the keys each)."""
     return (
         launch.step_mma
         and cfg.format.integer
         and cfg.records == "fp16"
-        and cfg.d_k % 32 == 0
+        and cfg.d_k % (64 if cfg.packed else 32) == 0
         and cfg.d_v >= 16
     )
 
