@@ -246,13 +246,24 @@ class KernelState:
     def _capture(self, key: tuple, inputs: tuple, use_qk_l2norm: bool):
         """``(key, graph, static inputs, static output)`` of one step, or False if it cannot be captured.
         Capturing launches nothing: the pool is unchanged until the first replay."""
+        device = inputs[0].device
         static_in = tuple(torch.empty(x.shape, dtype=torch.float32, device=x.device) for x in inputs)
         graph = torch.cuda.CUDAGraph()
+        # capture_begin/end, not the torch.cuda.graph context: that one runs gc.collect() and empties the
+        # allocator's cache at every capture, once per layer and generate() call, on the timed path
+        side = torch.cuda.Stream(device=device)
+        side.wait_stream(torch.cuda.current_stream(device))
         try:
-            with torch.cuda.graph(graph):
-                static_out = self._eager_step(*static_in, use_qk_l2norm)
+            with torch.cuda.stream(side):
+                graph.capture_begin()
+                try:
+                    static_out = self._eager_step(*static_in, use_qk_l2norm)
+                finally:
+                    graph.capture_end()
         except RuntimeError:
             return False
+        finally:
+            torch.cuda.current_stream(device).wait_stream(side)
         return key, graph, static_in, static_out
 
     def _forget_graph(self) -> None:
