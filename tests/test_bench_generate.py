@@ -17,15 +17,20 @@ def test_rows_for_each_method_beside_fp32(monkeypatch):
     patched = []
     real_patch = leapquant.integrations.patch
 
-    def spy(model, method):
-        patched.append(method)
-        return real_patch(model, method)
+    def spy(model, method, *, graphs):
+        patched.append((method, graphs))
+        return real_patch(model, method, graphs=graphs)
 
     monkeypatch.setattr(leapquant.integrations, "patch", spy)
     case = GenerateCase(batch=2, prompt_tokens=4, new_tokens=3, repeats=1)
-    rows = bench_generate(CHECKPOINT, ["fp32", "leapquant-int8"], case, device="cpu")
-    assert patched == ["leapquant-int8"]  # fp32 is the model's own state
-    assert [r["method"] for r in rows] == ["fp32", "leapquant-int8"]
+    rows = bench_generate(CHECKPOINT, ["fp32", "leapquant-int8"], case, device="cpu", graphs=(True, False))
+    # fp32 is the model's own state; each patched method once with graphs, once eager
+    assert patched == [("leapquant-int8", True), ("leapquant-int8", False)]
+    assert [(r["method"], r["graphs"]) for r in rows] == [
+        ("fp32", None),
+        ("leapquant-int8", True),
+        ("leapquant-int8", False),
+    ]
     for r in rows:
         assert r["device"] == "cpu" and r["batch"] == 2 and r["new_tokens"] == 3
         assert r["generate_s"] > 0 and r["setup_s"] > 0
@@ -50,6 +55,12 @@ def test_bad_cases(kwargs, match):
 def test_one_new_token_has_no_decode_to_time():
     with pytest.raises(LeapQuantError, match="new_tokens must be >= 2"):
         bench_generate(CHECKPOINT, ["fp32"], GenerateCase(new_tokens=1), device="cpu")
+
+
+@pytest.mark.parametrize("graphs", [(), (1,), ("on",)], ids=["empty", "int", "string"])
+def test_bad_graphs_setting(graphs):
+    with pytest.raises(LeapQuantError, match="graphs must be a non-empty tuple of booleans"):
+        bench_generate(CHECKPOINT, ["fp32"], GenerateCase(), device="cpu", graphs=graphs)
 
 
 def test_unknown_device():

@@ -154,6 +154,7 @@ CASES = [
     ("generate-batch", ["bench", "generate", "--batch", "0"], "--batch: must be >= 1"),
     ("generate-tokens", ["bench", "generate", "--new-tokens", "1"], "--new-tokens: must be >= 2"),
     ("generate-json", ["bench", "generate", "--json", f"{GONE}.json"], "gone does not exist"),
+    ("generate-graphs", ["bench", "generate", "--graphs", "yes"], "invalid choice: 'yes'"),
     # recall
     ("recall-model", ["recall", "--model", "kimi-kda"], "'kimi-kda-hybrid-byte'?"),
     ("recall-distance", ["recall", "--model", "no-config"], "the folder has no config.json"),

@@ -265,3 +265,57 @@ def test_kernel_state_graph_replays_equal_eager_steps(method, decay):
         assert torch.equal(graphed.materialize(), eager.materialize()), f"step {t}: states differ"
         if t in (5, 25):
             assert graphed._graph not in (None, False), f"step {t}: no graph was captured"
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_patch_graphs_setting_reaches_every_state(graphs):
+    """``patch(..., graphs=)`` reaches the kernel pools' and the per-step round trips' states (``bench
+    generate --graphs both`` compares the two in one process); anything but a bool is refused."""
+    from transformers import DynamicCache
+
+    from leapquant.integrations.backends import KernelState
+
+    model = tiny_model("qwen3_5", d=16)
+    ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(0))
+    cache = DynamicCache(config=model.config)
+    patched = leapquant.patch(model, "int8/w4+ct2+smooth", backend="triton", graphs=graphs)
+    model(ids, past_key_values=cache, use_cache=True)
+    states = [st for groups in cache._leapquant_states.values() for st in groups.states]
+    assert states and all(isinstance(st, KernelState) and st.graphs is graphs for st in states)
+    patched.unpatch()
+    with pytest.raises(LeapQuantError, match="graphs must be True or False"):
+        leapquant.patch(model, "int8", graphs="no")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (run on the H200)")
+def test_kernel_state_steps_inside_a_callers_graph():
+    """A caller that captures the decode step in its own CUDA graph (static cache, "reduce-overhead")
+    captures our launches with it: the state does not try a capture of its own inside theirs, and the
+    caller's replays advance the state as eager steps do."""
+    from leapquant.integrations.backends import KernelState
+    from leapquant.methods import parse_method
+
+    cfg = parse_method("leapquant-int8")
+    outer, eager = KernelState(cfg, "scalar"), KernelState(cfg, "scalar", graphs=False)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    state = torch.randn(2, 4, 128, 128, device="cuda", generator=gen) * 0.1
+    outer.load(state)
+    eager.load(state)
+    static = [torch.randn(2, 4, 128, device="cuda", generator=gen) for _ in range(3)]
+    static += [-torch.rand(2, 4, device="cuda", generator=gen) * 0.1]  # g
+    static += [torch.rand(2, 4, device="cuda", generator=gen)]  # beta
+    outer.step(*static)  # the first step compiles and allocates, outside any capture
+    eager.step(*static)
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        graph.capture_begin()
+        out = outer.step(*static)
+        graph.capture_end()
+    torch.cuda.current_stream().wait_stream(side)
+    assert outer._graph is None  # no capture of its own was attempted
+    for t in range(20):  # over a window close
+        graph.replay()
+        assert torch.equal(out, eager.step(*static)), f"step {t}"
+    assert torch.equal(outer.materialize(), eager.materialize())

@@ -58,12 +58,18 @@ def _timed(fn, repeats: int, device: str) -> float:
 
 
 def bench_generate(
-    model_path: str | Path, methods: list[str], case: GenerateCase, device: str = "cuda"
+    model_path: str | Path,
+    methods: list[str],
+    case: GenerateCase,
+    device: str = "cuda",
+    graphs: tuple[bool, ...] = (True,),
 ) -> list[dict]:
     """Decode tokens/s of ``generate()`` for each method (``"fp32"``: the model's own state, unpatched), on
-    ``device`` (``"cuda"`` or ``"cpu"``).
+    ``device`` (``"cuda"`` or ``"cpu"``), each patched method once per ``graphs`` setting (``patch(...,
+    graphs=)``: per-layer CUDA graphs on or off, to compare both in one process).
 
-    Returns one row per method: ``method``, ``decode_s`` (the ``new_tokens - 1`` decode steps),
+    Returns one row per method and setting: ``method``, ``graphs`` (None for fp32), ``decode_s`` (the
+    ``new_tokens - 1`` decode steps),
     ``tokens_per_s`` (``batch * (new_tokens - 1) / decode_s``; ``None`` where the decode was within the
     timing noise) and ``vs_fp32`` (its rate over FP32's, when ``"fp32"`` is among the methods).
     """
@@ -91,9 +97,12 @@ def bench_generate(
             use_cache=True, pad_token_id=tokenizer.pad_token_id or 0,
         )  # fmt: skip
 
+    if not graphs or any(not isinstance(g, bool) for g in graphs):
+        raise LeapQuantError(f"generate bench: graphs must be a non-empty tuple of booleans, got {graphs!r}")
+    runs = [(m, None if m == "fp32" else g) for m in methods for g in ((None,) if m == "fp32" else graphs)]
     rows = []
-    for method in methods:
-        handle = None if method == "fp32" else patch(model, method)
+    for method, use_graphs in runs:
+        handle = None if method == "fp32" else patch(model, method, graphs=use_graphs)
         try:
             generate(case.new_tokens)  # warm-up: kernel compilation, allocator
             full = _timed(lambda: generate(case.new_tokens), case.repeats, device)
@@ -103,8 +112,9 @@ def bench_generate(
                 handle.unpatch()
         decode_s = full - setup  # at or below zero when the decode is within the timing noise (tiny runs)
         rows.append({
-            "method": method, "device": device, "batch": case.batch, "prompt_tokens": case.prompt_tokens,
-            "new_tokens": case.new_tokens, "generate_s": full, "setup_s": setup, "decode_s": decode_s,
+            "method": method, "graphs": use_graphs, "device": device, "batch": case.batch,
+            "prompt_tokens": case.prompt_tokens, "new_tokens": case.new_tokens, "generate_s": full,
+            "setup_s": setup, "decode_s": decode_s,
             "tokens_per_s": case.batch * (case.new_tokens - 1) / decode_s if decode_s > 0 else None,
         })  # fmt: skip
     base = next((r["tokens_per_s"] for r in rows if r["method"] == "fp32"), None)

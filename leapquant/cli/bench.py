@@ -159,6 +159,11 @@ def _add_generate_parser(bsub: argparse._SubParsersAction) -> None:
     )
     g.add_argument("--repeats", type=count(), default=3, help="timed runs per method, median (default 3)")
     g.add_argument(
+        "--graphs", choices=("on", "off", "both"), default="on",
+        help="patched layers replay per-layer CUDA graphs (on), launch eagerly (off), or both, each a row "
+        "(default on)",
+    )  # fmt: skip
+    g.add_argument(
         "--device", choices=("cuda", "cpu"), default="cuda",
         help="where to run (default cuda; cpu checks that it runs, its times mean nothing)",
     )  # fmt: skip
@@ -182,12 +187,14 @@ def run_generate(args: argparse.Namespace) -> int:
     con = console()
     if args.device == "cpu":
         con.print("running on the CPU: a check that it works; its times say nothing about a GPU")
-    rows = bench_generate(args.model, methods, case, args.device)
+    graphs = {"on": (True,), "off": (False,), "both": (True, False)}[args.graphs]
+    rows = bench_generate(args.model, methods, case, args.device, graphs=graphs)
     for r in rows:
+        label = r["method"] + (" (eager)" if r["graphs"] is False else "")
         rate = "within timing noise" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:9.0f} tok/s"
         vs = "" if r["vs_fp32"] is None else f"  {r['vs_fp32']:.2f}x fp32"
         con.print(
-            f"{Path(args.model).name} B={r['batch']} {r['method']:<18} {rate} "
+            f"{Path(args.model).name} B={r['batch']} {label:<26} {rate} "
             f"({r['decode_s'] * 1e3:.0f} ms for {r['new_tokens'] - 1} steps){vs}"
         )
     if args.json:

@@ -69,9 +69,10 @@ class DequantizedState(NativeState):
     evaluation harness runs a dozen such methods side by side on the GPU).
     """
 
-    def __init__(self, config: MethodConfig, recurrent_fn: Callable) -> None:
+    def __init__(self, config: MethodConfig, recurrent_fn: Callable, *, graphs: bool = True) -> None:
         super().__init__(recurrent_fn)
         self.config = config
+        self.graphs = graphs
         self._window: WindowedState | None = None
         # CUDA: the round trip is dozens of small launches per layer and token (a format's scales, rounding,
         # rotations), replayed as one CUDA graph per state shape; None until captured, False if a format
@@ -89,7 +90,13 @@ class DequantizedState(NativeState):
         return window.materialize().reshape(b, hv, d_k, d_v)
 
     def _round_trip(self, state: torch.Tensor) -> torch.Tensor:
-        if state.device.type != "cuda" or self._graph is False or self.config.stochastic:
+        if (
+            not self.graphs
+            or state.device.type != "cuda"
+            or self._graph is False
+            or self.config.stochastic
+            or torch.cuda.is_current_stream_capturing()  # inside the caller's own graph: be part of it
+        ):
             return self._eager_round_trip(state)
         if self._graph is None or self._graph[1].shape != state.shape:
             self._graph = _capture(self._eager_round_trip, state)
@@ -227,7 +234,12 @@ class KernelState:
 
     def step(self, q, k, v, g, beta, use_qk_l2norm: bool = True) -> torch.Tensor:
         inputs = (q, k, v, g, beta)
-        if not self.graphs or self.slots.device.type != "cuda" or self._graph is False:
+        if (
+            not self.graphs
+            or self.slots.device.type != "cuda"
+            or self._graph is False
+            or torch.cuda.is_current_stream_capturing()  # inside the caller's own graph: be part of it
+        ):
             return self._eager_step(*inputs, use_qk_l2norm)
         key = (tuple((x.shape, x.dtype) for x in inputs), use_qk_l2norm)
         if self._graph is None or self._graph[0] != key:
@@ -298,27 +310,35 @@ class KernelState:
 
 
 def make_state(
-    config: MethodConfig, *, backend: str, device: torch.device, decay: str, recurrent_fn: Callable
+    config: MethodConfig,
+    *,
+    backend: str,
+    device: torch.device,
+    decay: str,
+    recurrent_fn: Callable,
+    graphs: bool = True,
 ):
     """The state object for method ``config`` on ``device``.
 
     ``backend``: ``"auto"`` (kernels on CUDA when the method has one; per-step methods as the model's own
     step plus the format's round trip; the reference otherwise),
     ``"reference"``, ``"triton"`` (error if the method has no kernel) or ``"reference64"`` (float64).
+    ``graphs``: on CUDA, replay each step (kernel pools) or round trip (per-step formats) as a captured
+    CUDA graph; False launches eagerly every time.
     """
     if config.name == "fp32":
         return NativeState(recurrent_fn)
     if backend == "auto":
         if device.type == "cuda" and KernelState.unsupported(config) is None:
-            return KernelState(config, decay)
+            return KernelState(config, decay, graphs=graphs)
         if config.window == 1 and not config.compensators:
-            return DequantizedState(config, recurrent_fn)
+            return DequantizedState(config, recurrent_fn, graphs=graphs)
         backend = "reference"
     if backend == "triton":
         reason = KernelState.unsupported(config)
         if reason is not None:
             raise LeapQuantError(f"backend 'triton': no kernel for method {config.name!r}: {reason}")
-        return KernelState(config, decay)
+        return KernelState(config, decay, graphs=graphs)
     if backend in ("reference", "reference64"):
         return ReferenceState(config, dtype=torch.float64 if backend == "reference64" else torch.float32)
     raise LeapQuantError(f"unknown backend {backend!r}; expected auto, reference, reference64 or triton")

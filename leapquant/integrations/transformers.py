@@ -147,6 +147,7 @@ class _RowGroups:
             st = make_state(
                 plan.for_layer(layer_idx),
                 backend=patched.backend,
+                graphs=patched.graphs,
                 device=state.device,
                 decay=kind.decay,
                 recurrent_fn=recurrent_fn,
@@ -267,13 +268,17 @@ class LeapQuantPatch:
         methods: the :class:`LayerPlan` of each group of batch rows (one unless a sequence was given);
             a plain method is the plan giving every layer that method.
         backend: ``auto``, ``reference``, ``reference64`` or ``triton``.
+        graphs: whether CUDA steps replay captured graphs (:func:`patch`).
         layers: the patched layer indices.
     """
 
-    def __init__(self, model: torch.nn.Module, methods: tuple[LayerPlan, ...], backend: str) -> None:
+    def __init__(
+        self, model: torch.nn.Module, methods: tuple[LayerPlan, ...], backend: str, graphs: bool = True
+    ) -> None:
         self.model = model
         self.methods = methods
         self.backend = backend
+        self.graphs = graphs
         self._layers = [_PatchedLayer(self, idx, mod) for idx, mod in linear_attention_layers(model)]
         self._modules = {type(layer.module).__module__: layer.kind for layer in self._layers}
         for module_name, kind in self._modules.items():
@@ -315,6 +320,7 @@ def patch(
     method: str | MethodConfig | LayerPlan | Sequence[str | MethodConfig | LayerPlan] = "leapquant-int8",
     *,
     backend: str = "auto",
+    graphs: bool = True,
 ) -> LeapQuantPatch:
     """Route every linear-attention layer's decode state of ``model`` through ``method``.
 
@@ -327,6 +333,9 @@ def patch(
             of them, one per equal group of batch rows.
         backend: ``"auto"`` (Triton kernels on CUDA where the method has one, else the reference),
             ``"reference"`` (float32), ``"reference64"`` (float64) or ``"triton"``.
+        graphs: on CUDA, replay each layer's decode step as a CUDA graph captured at its second step
+            (a step is a few launches whose host work outweighs the GPU work at small batches); False
+            launches them eagerly. Inside a graph the caller captures, the steps are launched into it.
 
     Returns:
         A :class:`LeapQuantPatch`; call ``.unpatch()`` to restore the model. Patching a patched model
@@ -359,7 +368,9 @@ def patch(
     for plan in methods:
         plan.check_layers(linear)
     unpatch(model)
-    patched = LeapQuantPatch(model, methods, backend)
+    if not isinstance(graphs, bool):
+        raise LeapQuantError(f"patch: graphs must be True or False, got {graphs!r}")
+    patched = LeapQuantPatch(model, methods, backend, graphs)
     model._leapquant_patch = patched
     return patched
 
