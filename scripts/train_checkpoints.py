@@ -17,10 +17,13 @@ Per architecture (``--arch qwen35|kimi|both``) it
   and a standard-library sample) and the decay distribution of every linear head, written to the model card
   ``README.md`` and to ``decay_stats.json``.
 
-FLA stays off the path: FLA 0.6.0's chunked backward is wrong on Hopper, and transformers picks FLA by itself
-whenever it is importable. ``fla`` and ``causal_conv1d`` are blocked in ``sys.modules`` before transformers is
-imported; ``check_torch_paths`` then verifies that every GDN/KDA/conv function resolved to transformers' torch
-reference, and exits otherwise.
+FLA stays off the path by default: FLA 0.6.0 refuses its gated GDN backward on Hopper with Triton < 3.7.1 (its
+issue 640), and transformers picks FLA by itself whenever it is importable. ``fla`` and ``causal_conv1d`` are
+blocked in ``sys.modules`` before transformers is imported; ``check_torch_paths`` then verifies that every
+GDN/KDA/conv function resolved to transformers' torch reference, and exits otherwise. With
+``LEAPQUANT_TRAIN_KERNELS=fla`` FLA's chunked kernels train instead (KDA's torch path trains ~7x fewer
+tokens a second than GDN's), but only after ``check_kernel_paths`` has measured their outputs and gradients
+against a float64 loop on this GPU.
 
     H200:       python scripts/train_checkpoints.py --arch both --minutes 4 --out $OUT/ckpt
     CPU smoke:  python scripts/train_checkpoints.py --device cpu --tiny --out /tmp/ckpt
@@ -44,7 +47,13 @@ import zlib
 from pathlib import Path
 
 START = time.time()
-BLOCKED = ("fla", "causal_conv1d")
+# LEAPQUANT_TRAIN_KERNELS: "torch" (default) keeps FLA off the path; "fla" lets transformers take FLA's
+# chunked kernels, which check_kernel_paths first measures against a float64 loop on this GPU (refusing to
+# train if they are wrong). causal_conv1d stays off either way.
+TRAIN_KERNELS = os.environ.get("LEAPQUANT_TRAIN_KERNELS", "torch")
+if TRAIN_KERNELS not in ("torch", "fla"):
+    raise SystemExit(f"error: LEAPQUANT_TRAIN_KERNELS must be 'torch' or 'fla', got {TRAIN_KERNELS!r}")
+BLOCKED = ("fla", "causal_conv1d") if TRAIN_KERNELS == "torch" else ("causal_conv1d",)
 
 
 def block_kernel_packages() -> dict[str, str | None]:
@@ -85,6 +94,7 @@ OFFSET, PAD, EOS = 3, 0, 1  # ids: 0 <pad>, 1 </s> (our file separator), 2 <unk>
 VOCAB = BYTE_VOCAB
 assert VOCAB == 256 + OFFSET
 NAMES = {"qwen35": "qwen35-gdn-hybrid-byte", "kimi": "kimi-kda-hybrid-byte"}
+FAMILIES = {"qwen35": "gdn", "kimi": "kda"}  # check_fla_backward's names
 # vendored copies and backports of stdlib modules: never trained on (the eval reads the stdlib)
 VENDORED = {"_distutils", "distutils", "importlib_metadata", "importlib_resources", "backports", "zipp"}
 VENDORED |= {"tomli", "mock"}
@@ -120,6 +130,43 @@ def check_torch_paths() -> list[str]:
                 "path (FLA's chunked backward is wrong on Hopper): refusing to train"
             )
         names.append(f"modeling_{model_name}.{fn_name}")
+    return names
+
+
+def check_kernel_paths(device: torch.device, families=("gdn", "kda")) -> list[str]:
+    """The linear-attention kernels training will run, checked: transformers' torch path (default), or with
+    ``LEAPQUANT_TRAIN_KERNELS=fla`` FLA's chunked kernels, whose outputs and gradients must first match a
+    float64 loop on this GPU for ``families`` (``scripts/check_fla_backward.py``; FLA 0.6.0's refusal of the
+    gated GDN backward on Hopper is lifted for that measurement). Exits with the reason otherwise."""
+    if TRAIN_KERNELS == "torch":
+        return check_torch_paths()
+    if device.type != "cuda":
+        raise SystemExit("error: LEAPQUANT_TRAIN_KERNELS=fla needs a CUDA GPU (FLA's kernels run only there)")
+    names = []
+    for model_name, fn_name in TORCH_PATHS:
+        mod = importlib.import_module(f"transformers.models.{model_name}.modeling_{model_name}")
+        fn = getattr(mod, fn_name)
+        impl = inspect.getclosurevars(fn).nonlocals.get("implementation")
+        on_torch = impl is not None and impl is getattr(fn, "__wrapped__", None)
+        if on_torch != fn_name.startswith("causal_conv1d"):
+            raise SystemExit(
+                f"error: {mod.__name__}.{fn_name} resolved to {impl!r}: with LEAPQUANT_TRAIN_KERNELS=fla the "
+                "linear attention must run FLA's kernels and the convolution transformers' torch path"
+            )
+        names.append(f"modeling_{model_name}.{fn_name} ({'torch' if on_torch else 'fla'})")
+    from check_fla_backward import preflight
+
+    result = preflight(families, unguard=True)
+    if not result["ok"]:
+        raise SystemExit(
+            f"error: FLA's chunked kernels failed their check on this GPU (worst relative error "
+            f"{result['worst']:.2e} against {result['tol']}, refused: {result['refused']}): refusing to "
+            "train on them; unset LEAPQUANT_TRAIN_KERNELS for the torch path"
+        )
+    names.append(
+        f"FLA checked against float64 for {', '.join(families)}: worst relative error {result['worst']:.1e} "
+        f"(Hopper guard lifted: {result['unguarded']})"
+    )
     return names
 
 
@@ -530,17 +577,19 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     device = torch.device(args.device)
-    torch_paths = check_torch_paths()  # fp32 matmuls (the GDN/KDA chunk internals) stay fp32: no TF32
+    archs = ["qwen35", "kimi"] if args.arch == "both" else [args.arch]
+    families = tuple(FAMILIES[a] for a in archs)
+    torch_paths = check_kernel_paths(device, families)  # fp32 matmuls stay fp32: no TF32
 
     def log(msg):
         print(msg, flush=True)
 
     log(f"torch {torch.__version__}, transformers {transformers.__version__}, {device}")
     log(f"blocked packages (found at): {FOUND_KERNELS}")
-    log(f"linear attention through the torch path: {', '.join(torch_paths)}")
+    log(f"linear attention kernels ({TRAIN_KERNELS}): {', '.join(torch_paths)}")
     corpus = load_corpus(args.max_bytes, args.eval_bytes)
     log(f"data: {json.dumps(corpus['info'])}")
-    reports, archs = {}, ["qwen35", "kimi"] if args.arch == "both" else [args.arch]
+    reports = {}
     for k, arch in enumerate(archs):
         a = argparse.Namespace(**vars(args))
         a.batch = args.batch or (16 if arch == "qwen35" else 8)

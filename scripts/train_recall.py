@@ -371,7 +371,8 @@ def main(argv=None) -> dict:
     device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(1)  # small models on a shared CPU: more threads only contend
-    torch_paths = tc.check_torch_paths()
+    families = tuple(dict.fromkeys(tc.FAMILIES[MODELS[m][0]] for m in args.model))
+    torch_paths = tc.check_kernel_paths(device, families)
 
     def log(msg):
         print(msg, flush=True)

@@ -117,3 +117,26 @@ def test_recall_training_halves_the_batch_when_memory_runs_out(tc, monkeypatch):
     assert "  out of memory at step 2: batch now 2" in lines
     assert batches == [4, 4, 2, 2] and report["steps"] == 3 and report["micro_batch"] == 2
     assert report["tokens"] == 256 * (4 + 2 + 2)
+
+
+@pytest.mark.parametrize(
+    ("kernels", "device", "message"),
+    [
+        ("triton", "cpu", "LEAPQUANT_TRAIN_KERNELS must be 'torch' or 'fla', got 'triton'"),
+        ("fla", "cpu", "LEAPQUANT_TRAIN_KERNELS=fla needs a CUDA GPU"),
+    ],
+    ids=["unknown", "fla-without-gpu"],
+)
+def test_training_kernels_setting_is_checked(tmp_path, kernels, device, message):
+    """FLA joins the training path only on request and only where its kernels can be measured first; an
+    unknown setting is refused before anything loads."""
+    import subprocess
+
+    script = SCRIPT.parent / "train_recall.py"
+    env = dict(os.environ, LEAPQUANT_TRAIN_KERNELS=kernels)
+    run = subprocess.run(
+        [sys.executable, str(script), "--model", "gdn-tiny", "--device", device, "--out", str(tmp_path)],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert run.returncode != 0
+    assert message in run.stderr, run.stderr[-2000:]
