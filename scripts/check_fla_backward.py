@@ -75,12 +75,19 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def check(family: str, t: int, seed: int, device) -> dict:
+def check(family: str, t: int, seed: int, device, dtype: torch.dtype = torch.float32) -> dict:
+    """One case: ``q, k, v, beta`` in ``dtype`` (bf16 as autocast hands them over in training; the float64
+    reference starts from the same rounded values, so only the kernel's own error counts), ``g`` and the
+    initial state in fp32."""
     b, h, d = 2, 4, 128
     scale = d**-0.5
     base = inputs(family, b, t, h, d, seed, device)
+    rounded = (0, 1, 2, 4)  # q, k, v, beta
+    base = [x.to(dtype).double() if i in rounded else x for i, x in enumerate(base)]
     ref_in = [x.clone().requires_grad_() for x in base]
-    fla_in = [x.float().clone().requires_grad_() for x in base]
+    fla_in = [
+        (x.to(dtype) if i in rounded else x.float()).clone().requires_grad_() for i, x in enumerate(base)
+    ]
     o_ref, s_ref = reference(*ref_in, scale)
     o_fla, s_fla = run_fla(family, *fla_in, scale)
     # one random projection of both outputs, so every gradient path is exercised
@@ -92,7 +99,13 @@ def check(family: str, t: int, seed: int, device) -> dict:
     names = ("q", "k", "v", "g", "beta", "h0")
     errors = {"o": rel(o_fla, o_ref), "final_state": rel(s_fla, s_ref)}
     errors |= {f"d{n}": rel(x.grad, r.grad) for n, x, r in zip(names, fla_in, ref_in, strict=True)}
-    return {"family": family, "tokens": t, "seed": seed, "rel_err": errors}
+    return {
+        "family": family,
+        "tokens": t,
+        "seed": seed,
+        "dtype": str(dtype).removeprefix("torch."),
+        "rel_err": errors,
+    }
 
 
 def unguard_hopper() -> bool:
@@ -110,18 +123,21 @@ def unguard_hopper() -> bool:
     return guarded
 
 
-def preflight(families, tokens=(64, 200, 512), tol: float = 2e-2, unguard: bool = False) -> dict:
-    """Check FLA's chunked kernels of ``families`` (``"gdn"``, ``"kda"``) on this GPU before training on them:
-    ``{"ok": bool, "unguarded": bool, "rows": [...], "refused": [...], "worst": float}``."""
+def preflight(
+    families, tokens=(64, 200, 512), tol: float = 2e-2, unguard: bool = False, dtypes=("float32", "bfloat16")
+) -> dict:
+    """Check FLA's chunked kernels of ``families`` (``"gdn"``, ``"kda"``) on this GPU before training on them,
+    with inputs in each of ``dtypes``: ``{"ok", "unguarded", "rows", "refused", "worst", "tol"}``."""
     device = torch.device("cuda")
     unguarded = unguard_hopper() if unguard else False
     rows, refused = [], []
     for f in families:
-        for i, t in enumerate(tokens):
-            try:
-                rows.append(check(f, t, seed=i, device=device))
-            except RuntimeError as e:
-                refused.append({"family": f, "tokens": t, "error": str(e).splitlines()[0]})
+        for dt in dtypes:
+            for i, t in enumerate(tokens):
+                try:
+                    rows.append(check(f, t, seed=i, device=device, dtype=getattr(torch, dt)))
+                except RuntimeError as e:
+                    refused.append({"family": f, "tokens": t, "dtype": dt, "error": str(e).splitlines()[0]})
     worst = max((e for r in rows for e in r["rel_err"].values()), default=float("nan"))
     ok = not refused and bool(rows) and worst <= tol
     return {"ok": ok, "unguarded": unguarded, "rows": rows, "refused": refused, "worst": worst, "tol": tol}
@@ -131,6 +147,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--families", nargs="+", choices=("gdn", "kda"), default=["gdn", "kda"])
     p.add_argument("--tokens", type=int, nargs="+", default=[64, 200, 512])
+    p.add_argument(
+        "--dtypes", nargs="+", choices=("float32", "bfloat16"), default=["float32", "bfloat16"],
+        help="dtypes of q, k, v, beta (training hands FLA bf16 under autocast)",
+    )  # fmt: skip
     p.add_argument("--tol", type=float, default=2e-2, help="largest relative error accepted (tf32 dots)")
     p.add_argument("--json", help="write the results here")
     p.add_argument(
@@ -142,14 +162,15 @@ def main(argv=None) -> int:
         raise SystemExit("error: FLA's kernels need a GPU")
     import fla
 
-    result = preflight(args.families, args.tokens, args.tol, unguard=args.unguard_hopper)
+    result = preflight(args.families, args.tokens, args.tol, unguard=args.unguard_hopper, dtypes=args.dtypes)
     for r in result["refused"]:  # FLA refuses a kernel it knows to be wrong here (its issue 640)
-        print(f"{r['family']} T={r['tokens']:4d}: REFUSED by FLA: {r['error']}")
+        print(f"{r['family']} {r['dtype']} T={r['tokens']:4d}: REFUSED by FLA: {r['error']}")
     for r in result["rows"]:
         errs = r["rel_err"]
         bad = [k for k, e in errs.items() if not e <= args.tol]
         cells = " ".join(f"{k} {e:.1e}" for k, e in errs.items())
-        print(f"{r['family']} T={r['tokens']:4d}: {cells}  {'FAIL ' + ','.join(bad) if bad else 'ok'}")
+        verdict = "FAIL " + ",".join(bad) if bad else "ok"
+        print(f"{r['family']} {r['dtype']} T={r['tokens']:4d}: {cells}  {verdict}")
     out = {
         "rows": result["rows"],
         "refused": result["refused"],
