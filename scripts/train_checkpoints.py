@@ -133,11 +133,18 @@ def check_torch_paths() -> list[str]:
     return names
 
 
-def check_kernel_paths(device: torch.device, families=("gdn", "kda")) -> list[str]:
+def linear_head_dim(arch: str, tiny: bool) -> int:
+    """The key (= value) head dim of the linear-attention layers of ``arch`` at this size."""
+    fields = byte_hybrid_config(arch, tiny)
+    return fields.get("linear_key_head_dim") or fields["linear_head_dim"]
+
+
+def check_kernel_paths(device: torch.device, families=("gdn", "kda"), head_dims=(128,)) -> list[str]:
     """The linear-attention kernels training will run, checked: transformers' torch path (default), or with
     ``LEAPQUANT_TRAIN_KERNELS=fla`` FLA's chunked kernels, whose outputs and gradients must first match a
-    float64 loop on this GPU for ``families`` (``scripts/check_fla_backward.py``; FLA 0.6.0's refusal of the
-    gated GDN backward on Hopper is lifted for that measurement). Exits with the reason otherwise."""
+    float64 loop on this GPU for ``families`` at ``head_dims`` (``scripts/check_fla_backward.py``: fp32 and
+    bf16 inputs, with and without states; FLA 0.6.0's refusal of the gated GDN backward on Hopper is lifted
+    for that measurement). Exits with the reason otherwise."""
     if TRAIN_KERNELS == "torch":
         return check_torch_paths()
     if device.type != "cuda":
@@ -156,16 +163,21 @@ def check_kernel_paths(device: torch.device, families=("gdn", "kda")) -> list[st
         names.append(f"modeling_{model_name}.{fn_name} ({'torch' if on_torch else 'fla'})")
     from check_fla_backward import preflight
 
-    result = preflight(families, unguard=True)
+    result = preflight(families, head_dims=tuple(head_dims), unguard=True)
     if not result["ok"]:
+        bad = [
+            {k: r[k] for k in ("family", "dtype", "head_dim", "state", "tokens", "bad")}
+            for r in result["failed"]
+        ]
         raise SystemExit(
-            f"error: FLA's chunked kernels failed their check on this GPU (worst relative error "
-            f"{result['worst']:.2e} against {result['tol']}, refused: {result['refused']}): refusing to "
-            "train on them; unset LEAPQUANT_TRAIN_KERNELS for the torch path"
+            f"error: FLA's chunked kernels failed their check on this GPU (tolerances "
+            f"{result['tolerances']}; failed: {bad}; refused: {result['refused']}): refusing to train on "
+            "them; unset LEAPQUANT_TRAIN_KERNELS for the torch path"
         )
+    worst = max(e for r in result["rows"] for e in r["rel_err"].values())
     names.append(
-        f"FLA checked against float64 for {', '.join(families)}: worst relative error {result['worst']:.1e} "
-        f"(Hopper guard lifted: {result['unguarded']})"
+        f"FLA checked against float64 ({len(result['rows'])} cases: {', '.join(families)}, head dims "
+        f"{list(head_dims)}): worst relative error {worst:.1e} (Hopper guard lifted: {result['unguarded']})"
     )
     return names
 
@@ -579,7 +591,8 @@ def main(argv=None) -> dict:
     device = torch.device(args.device)
     archs = ["qwen35", "kimi"] if args.arch == "both" else [args.arch]
     families = tuple(FAMILIES[a] for a in archs)
-    torch_paths = check_kernel_paths(device, families)  # fp32 matmuls stay fp32: no TF32
+    dims = tuple({linear_head_dim(a, args.tiny) for a in archs})
+    torch_paths = check_kernel_paths(device, families, dims)  # fp32 matmuls stay fp32: no TF32
 
     def log(msg):
         print(msg, flush=True)

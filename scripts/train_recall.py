@@ -372,7 +372,8 @@ def main(argv=None) -> dict:
     if device.type == "cpu":
         torch.set_num_threads(1)  # small models on a shared CPU: more threads only contend
     families = tuple(dict.fromkeys(tc.FAMILIES[MODELS[m][0]] for m in args.model))
-    torch_paths = tc.check_kernel_paths(device, families)
+    dims = tuple({tc.linear_head_dim(MODELS[m][0], MODELS[m][2]) for m in args.model})
+    torch_paths = tc.check_kernel_paths(device, families, dims)
 
     def log(msg):
         print(msg, flush=True)

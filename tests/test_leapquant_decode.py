@@ -34,16 +34,16 @@ FULL = DEVICE == "cuda"
 K, V = (128, 128) if FULL or os.environ.get("LEAPQUANT_TEST_FULL_SIZE") == "1" else (32, 32)
 
 
-def tokens(family: str, n: int, h: int, hv: int, gen: torch.Generator):
+def tokens(family: str, n: int, h: int, hv: int, gen: torch.Generator, d_k: int = K):
     """One decode token of model-native inputs; long-memory decays so the state accumulates."""
 
     def rnd(*shape):
         return torch.randn(*shape, generator=gen, device=DEVICE)
 
-    g_shape = (n, hv, K) if family == "kda" else (n, hv)
+    g_shape = (n, hv, d_k) if family == "kda" else (n, hv)
     g = -0.02 * torch.rand(g_shape, generator=gen, device=DEVICE)
     beta = torch.rand(n, hv, generator=gen, device=DEVICE)
-    return rnd(n, h, K), rnd(n, h, K), rnd(n, hv, V), g, beta
+    return rnd(n, h, d_k), rnd(n, h, d_k), rnd(n, hv, V), g, beta
 
 
 class ExactStates:
@@ -461,24 +461,26 @@ def test_tensor_core_step_matches_cuda_core_step(family, residual, window, rank,
     """
     from leapquant.ops.leapquant_decode import LaunchConfig
 
-    if K % 32:
-        pytest.skip("tensor-core products need d_k a multiple of 32")
+    d_k = max(K, 64) if residual == "int4" else K  # int4: two products over half the keys, 32 each
     gen = torch.Generator(device=DEVICE).manual_seed(17)
     hv, n = 4, 5
-    cfg = pool_config(heads=hv, d_k=K, d_v=V, window=window, compensators=rank, smoothing=True,
+    cfg = pool_config(heads=hv, d_k=d_k, d_v=V, window=window, compensators=rank, smoothing=True,
                      residual=residual, decay="vector" if family == "kda" else "scalar")  # fmt: skip
     # also the two close schedules: split (closing heads step and close beside the others) and in turn
     launches = {
         "tc": LaunchConfig(step_mma=True, step_tc_bv=16, overlap_close=True),
         "cc": LaunchConfig(step_mma=False, overlap_close=False),
     }
+    from leapquant.ops.leapquant_decode.launch import tensor_core_step
+
+    assert tensor_core_step(cfg, launches["tc"]) and not tensor_core_step(cfg, launches["cc"])
     pools = {name: LeapQuantPool.allocate(cfg, n + 2, DEVICE) for name in launches}
     slots = torch.tensor([3, -1, 0, 6, 2], dtype=torch.int32, device=DEVICE)
-    states = torch.randn(n, hv, K, V, generator=gen, device=DEVICE) * 0.3
+    states = torch.randn(n, hv, d_k, V, generator=gen, device=DEVICE) * 0.3
     for pool in pools.values():
         load_states(pool, slots, states, backend="triton")
     for t in range(window):  # the whole window: 0 .. P-1 records; the last step also closes it
-        q, k, v, g, beta = tokens(family, n, 2, hv, gen)
+        q, k, v, g, beta = tokens(family, n, 2, hv, gen, d_k)
         q = q * magnitude
         outs = {
             name: leapquant_decode(pools[name], slots, q, k, v, g, beta, backend="triton", launch=launch)
@@ -494,7 +496,7 @@ def test_tensor_core_step_matches_cuda_core_step(family, residual, window, rank,
             assert rel(pools["tc"].tensors[name].float(), pools["cc"].tensors[name].float()) < 1e-3, name
     # after the close both pools hold a boundary fitted from records that differ in the last fp16 bit:
     # equally good, no longer comparable to rounding
-    q, k, v, g, beta = tokens(family, n, 2, hv, gen)
+    q, k, v, g, beta = tokens(family, n, 2, hv, gen, d_k)
     q[2, 0, 0] = float("inf")  # sequence 2 reads key head 0: its value heads must not come out finite
     out = leapquant_decode(pools["tc"], slots, q, k, v, g, beta, backend="triton", launch=launches["tc"])
     assert not torch.isfinite(out[2, : hv // 2]).any()

@@ -319,3 +319,32 @@ def test_kernel_state_steps_inside_a_callers_graph():
         graph.replay()
         assert torch.equal(out, eager.step(*static)), f"step {t}"
     assert torch.equal(outer.materialize(), eager.materialize())
+
+
+@pytest.mark.parametrize(
+    ("method", "backend", "capturable"),
+    [
+        ("int8/w4+ct2+smooth", "triton", True),
+        ("int8", "auto", False),
+        ("int8/w4+ct2+smooth", "reference", False),
+    ],
+    ids=["kernel-pool", "per-step-round-trip", "reference"],
+)
+def test_only_kernel_pools_may_run_inside_a_callers_graph(method, backend, capturable):
+    """A state that replaces its tensor every step would be frozen by a caller's graph replay: the layer
+    refuses such a capture by name instead of returning stale outputs (the check the CUDA path runs when
+    ``torch.cuda.is_current_stream_capturing()``)."""
+    from transformers import DynamicCache
+
+    model = tiny_model("qwen3_5", d=16)
+    ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(1))
+    cache = DynamicCache(config=model.config)
+    patched = leapquant.patch(model, method, backend=backend)
+    model(ids, past_key_values=cache, use_cache=True)
+    for groups in cache._leapquant_states.values():
+        if capturable:
+            groups._check_capturable()
+        else:
+            with pytest.raises(LeapQuantError, match="is not a kernel pool"):
+                groups._check_capturable()
+    patched.unpatch()

@@ -78,6 +78,8 @@ def bench_generate(
     from ..eval.model_eval import load_model, stdlib_text
     from ..integrations import patch
 
+    if not graphs or any(not isinstance(g, bool) for g in graphs):
+        raise LeapQuantError(f"generate bench: graphs must be a non-empty tuple of booleans, got {graphs!r}")
     if device not in ("cuda", "cpu"):
         raise LeapQuantError(f"generate bench: device must be cuda or cpu, got {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
@@ -97,8 +99,6 @@ def bench_generate(
             use_cache=True, pad_token_id=tokenizer.pad_token_id or 0,
         )  # fmt: skip
 
-    if not graphs or any(not isinstance(g, bool) for g in graphs):
-        raise LeapQuantError(f"generate bench: graphs must be a non-empty tuple of booleans, got {graphs!r}")
     runs = [(m, None if m == "fp32" else g) for m in methods for g in ((None,) if m == "fp32" else graphs)]
     rows = []
     for method, use_graphs in runs:

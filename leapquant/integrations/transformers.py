@@ -156,11 +156,26 @@ class _RowGroups:
             self.states.append(st)
 
     def step(self, q, k, v, g, beta, use_qk_l2norm: bool) -> torch.Tensor:
+        if q.is_cuda and torch.cuda.is_current_stream_capturing():
+            self._check_capturable()
         outs = []
         for i, st in enumerate(self.states):
             rows = slice(i * self.size, (i + 1) * self.size)
             outs.append(st.step(q[rows], k[rows], v[rows], g[rows], beta[rows], use_qk_l2norm))
         return torch.cat(outs)
+
+    def _check_capturable(self) -> None:
+        """Inside a CUDA graph the caller captures, only kernel pools are right: they update their state in
+        place, while the other states replace their tensor every step, which a replay would never see."""
+        from .backends import KernelState
+
+        for st in self.states:
+            if not isinstance(st, KernelState):
+                raise LeapQuantError(
+                    f"a CUDA graph capture reached a patched layer whose state ({type(st).__name__}) is not "
+                    "a kernel pool: only methods with decode kernels (KernelState.unsupported(method) is "
+                    "None) can run inside a captured graph"
+                )
 
     def materialize(self) -> torch.Tensor:
         return torch.cat([st.materialize() for st in self.states])
@@ -335,7 +350,8 @@ def patch(
             ``"reference"`` (float32), ``"reference64"`` (float64) or ``"triton"``.
         graphs: on CUDA, replay each layer's decode step as a CUDA graph captured at its second step
             (a step is a few launches whose host work outweighs the GPU work at small batches); False
-            launches them eagerly. Inside a graph the caller captures, the steps are launched into it.
+            launches them eagerly. Inside a graph the caller captures, kernel methods launch into it;
+            other states (fp32 rows, per-step formats through the model's step, the reference) raise.
 
     Returns:
         A :class:`LeapQuantPatch`; call ``.unpatch()`` to restore the model. Patching a patched model
@@ -355,6 +371,8 @@ def patch(
             f"patch: model must be a loaded transformers model (torch.nn.Module), got {type(model).__name__}"
             + hint
         )
+    if not isinstance(graphs, bool):
+        raise LeapQuantError(f"patch: graphs must be True or False, got {graphs!r}")
     if backend not in ("auto", "reference", "reference64", "triton"):
         raise LeapQuantError(f"unknown backend {backend!r}; expected auto, reference, reference64 or triton")
     if backend == "triton":
@@ -368,8 +386,6 @@ def patch(
     for plan in methods:
         plan.check_layers(linear)
     unpatch(model)
-    if not isinstance(graphs, bool):
-        raise LeapQuantError(f"patch: graphs must be True or False, got {graphs!r}")
     patched = LeapQuantPatch(model, methods, backend, graphs)
     model._leapquant_patch = patched
     return patched

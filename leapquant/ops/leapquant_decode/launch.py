@@ -35,8 +35,9 @@ class LaunchConfig:
             (CUDA-core reads only).
         step_mma: run the step on tensor cores (``step_tc_kernel``: one program per head, whole state)
             where it applies: integer residuals (int8, int6, int4) with fp16 records, ``d_k`` a multiple of
-            32; the read vectors go in as exact fixed-point limbs, so accuracy is fp32-level.  Otherwise
-            (and for fp8, bf16, fp32 residuals) the CUDA-core ``step_kernel`` with the ``step_*`` shape.
+            32 (64 for int4, two products over half the keys); the read vectors go in as exact fixed-point
+            limbs, so accuracy is fp32-level.  Otherwise (and for fp8, bf16, fp32 residuals) the CUDA-core
+            ``step_kernel`` with the ``step_*`` shape.
         step_tc_bv: value rows per chunk of the tensor-core step (at least 16).
         step_tc_warps: warps per tensor-core step program (one: a head's per-token work is vectors and
             small tiles that more warps would replicate, not share).
@@ -133,7 +134,7 @@ def tensor_core_step(cfg, launch: LaunchConfig) -> bool:
         launch.step_mma
         and cfg.format.integer
         and cfg.records == "fp16"
-        and cfg.d_k % (64 if cfg.packed else 32) == 0
+        and cfg.d_k % (32 * cfg.format.keys_per_element) == 0
         and cfg.d_v >= 16
     )
 
