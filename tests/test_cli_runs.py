@@ -129,3 +129,19 @@ def test_save_trace_never_creates_folders(tmp_path):
     with pytest.raises(leapquant.LeapQuantError, match="does not exist"):
         leapquant.save_trace(tmp_path / "new" / "t.npz", small_records())
     assert list(tmp_path.iterdir()) == []
+
+
+def test_bench_generate_graphs_both_gives_a_row_pair_per_method(tmp_path, capsys):
+    """``--graphs both``: each patched method once with per-layer graphs and once eager, beside one FP32 row,
+    printed and in the JSON (on the CPU it only checks that the tool runs; its times mean nothing)."""
+    out = tmp_path / "g.json"
+    args = ["bench", "generate", "--device", "cpu", "--batch", "2", "--prompt-tokens", "4"]
+    assert main([*args, "--new-tokens", "3", "--repeats", "1", "--graphs", "both", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "leapquant-int8 (eager)" in printed
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["method"], r["graphs"]) for r in rows] == [
+        ("fp32", None),
+        ("leapquant-int8", True),
+        ("leapquant-int8", False),
+    ]
