@@ -117,20 +117,29 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, split_special_tokens=True, **specials)
 
 
-def check_torch_paths() -> list[str]:
-    """Exit unless every linear-attention kernel of both models resolved to transformers' torch reference."""
-    names = []
+def resolved_paths() -> list[tuple[str, object, bool]]:
+    """``(name, implementation, on_torch)`` of every GDN/KDA/conv function the models call: what
+    transformers resolved it to, and whether that is its own torch reference."""
+    out = []
     for model_name, fn_name in TORCH_PATHS:
         mod = importlib.import_module(f"transformers.models.{model_name}.modeling_{model_name}")
         fn = getattr(mod, fn_name)
         impl = inspect.getclosurevars(fn).nonlocals.get("implementation")
-        if impl is None or impl is not getattr(fn, "__wrapped__", None):
+        on_torch = impl is not None and impl is getattr(fn, "__wrapped__", None)
+        out.append((f"modeling_{model_name}.{fn_name}", impl, on_torch))
+    return out
+
+
+def check_torch_paths() -> list[str]:
+    """Exit unless every linear-attention kernel of both models resolved to transformers' torch reference."""
+    paths = resolved_paths()
+    for name, impl, on_torch in paths:
+        if not on_torch:
             raise SystemExit(
-                f"error: {mod.__name__}.{fn_name} resolved to {impl!r}, not transformers' torch "
-                "path (FLA's chunked backward is wrong on Hopper): refusing to train"
+                f"error: {name} resolved to {impl!r}, not transformers' torch path (FLA's chunked backward "
+                "is wrong on Hopper): refusing to train"
             )
-        names.append(f"modeling_{model_name}.{fn_name}")
-    return names
+    return [name for name, _, _ in paths]
 
 
 def linear_head_dim(arch: str, tiny: bool) -> int:
@@ -150,17 +159,15 @@ def check_kernel_paths(device: torch.device, families=("gdn", "kda"), head_dims=
     if device.type != "cuda":
         raise SystemExit("error: LEAPQUANT_TRAIN_KERNELS=fla needs a CUDA GPU (FLA's kernels run only there)")
     names = []
-    for model_name, fn_name in TORCH_PATHS:
-        mod = importlib.import_module(f"transformers.models.{model_name}.modeling_{model_name}")
-        fn = getattr(mod, fn_name)
-        impl = inspect.getclosurevars(fn).nonlocals.get("implementation")
-        on_torch = impl is not None and impl is getattr(fn, "__wrapped__", None)
-        if on_torch != fn_name.startswith("causal_conv1d"):
+    for name, impl, on_torch in resolved_paths():
+        if on_torch != name.split(".")[1].startswith("causal_conv1d"):
             raise SystemExit(
-                f"error: {mod.__name__}.{fn_name} resolved to {impl!r}: with LEAPQUANT_TRAIN_KERNELS=fla the "
-                "linear attention must run FLA's kernels and the convolution transformers' torch path"
+                f"error: {name} resolved to {impl!r}: with LEAPQUANT_TRAIN_KERNELS=fla the linear attention "
+                "must run FLA's kernels and the convolution transformers' torch path"
             )
-        names.append(f"modeling_{model_name}.{fn_name} ({'torch' if on_torch else 'fla'})")
+        names.append(
+            f"{name.rsplit('.', 2)[-2]}.{name.rsplit('.', 1)[-1]} ({'torch' if on_torch else 'fla'})"
+        )
     from check_fla_backward import preflight
 
     result = preflight(families, head_dims=tuple(head_dims), unguard=True)

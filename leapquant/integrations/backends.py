@@ -90,19 +90,14 @@ class DequantizedState(NativeState):
         return window.materialize().reshape(b, hv, d_k, d_v)
 
     def _round_trip(self, state: torch.Tensor) -> torch.Tensor:
-        if (
-            not self.graphs
-            or state.device.type != "cuda"
-            or self._graph is False
-            or self.config.stochastic
-            or torch.cuda.is_current_stream_capturing()  # inside the caller's own graph: be part of it
-        ):
+        if not self.graphs or state.device.type != "cuda" or self._graph is False or self.config.stochastic:
             return self._eager_round_trip(state)
-        if self._graph is None or self._graph[1].shape != state.shape:
-            self._graph = _capture(self._eager_round_trip, state)
+        if self._graph is None or self._graph[1][0].shape != state.shape:
+            # two warm-up runs off the capture: lazily built constants, cuBLAS workspaces
+            self._graph = _capture(self._eager_round_trip, (state.clone(),), warmup=2)
             if self._graph is False:
                 return self._eager_round_trip(state)
-        graph, static_in, static_out = self._graph
+        graph, (static_in,), static_out = self._graph
         static_in.copy_(state)
         graph.replay()
         # static_out is overwritten by the next replay, after the model's step has consumed it
@@ -117,22 +112,31 @@ class DequantizedState(NativeState):
         return out
 
 
-def _capture(fn: Callable, example: torch.Tensor):
-    """``(graph, static_in, static_out)`` replaying ``fn(static_in)``, or False if ``fn`` cannot be captured
-    (a host synchronisation inside it)."""
-    static_in = example.clone()
-    side = torch.cuda.Stream(device=example.device)
-    side.wait_stream(torch.cuda.current_stream(example.device))
-    with torch.cuda.stream(side):  # warm-up off the capture: lazily built constants, cuBLAS workspaces
-        for _ in range(2):
-            fn(static_in)
-    torch.cuda.current_stream(example.device).wait_stream(side)
+def _capture(fn: Callable, static_in: tuple, warmup: int = 0):
+    """``(graph, static_in, static_out)`` replaying ``fn(*static_in)``, or False if ``fn`` cannot be captured
+    (a host synchronisation inside it). ``warmup`` runs of ``fn`` go first, off the capture (only for a
+    ``fn`` without side effects: a stateful step must not run twice).
+
+    capture_begin/end on a side stream, not the ``torch.cuda.graph`` context: that one runs gc.collect() and
+    empties the allocator's cache at every capture, which happens once per layer and ``generate()`` call,
+    inside the decode a user times."""
+    device = static_in[0].device
+    side = torch.cuda.Stream(device=device)
+    side.wait_stream(torch.cuda.current_stream(device))
     graph = torch.cuda.CUDAGraph()
     try:
-        with torch.cuda.graph(graph):
-            static_out = fn(static_in)
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                fn(*static_in)
+            graph.capture_begin()
+            try:
+                static_out = fn(*static_in)
+            finally:
+                graph.capture_end()
     except RuntimeError:
         return False
+    finally:
+        torch.cuda.current_stream(device).wait_stream(side)
     return graph, static_in, static_out
 
 
@@ -257,26 +261,10 @@ class KernelState:
 
     def _capture(self, key: tuple, inputs: tuple, use_qk_l2norm: bool):
         """``(key, graph, static inputs, static output)`` of one step, or False if it cannot be captured.
-        Capturing launches nothing: the pool is unchanged until the first replay."""
-        device = inputs[0].device
+        Capturing launches nothing: the pool is unchanged until the first replay (so no warm-up runs)."""
         static_in = tuple(torch.empty(x.shape, dtype=torch.float32, device=x.device) for x in inputs)
-        graph = torch.cuda.CUDAGraph()
-        # capture_begin/end, not the torch.cuda.graph context: that one runs gc.collect() and empties the
-        # allocator's cache at every capture, once per layer and generate() call, on the timed path
-        side = torch.cuda.Stream(device=device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        try:
-            with torch.cuda.stream(side):
-                graph.capture_begin()
-                try:
-                    static_out = self._eager_step(*static_in, use_qk_l2norm)
-                finally:
-                    graph.capture_end()
-        except RuntimeError:
-            return False
-        finally:
-            torch.cuda.current_stream(device).wait_stream(side)
-        return key, graph, static_in, static_out
+        captured = _capture(lambda *x: self._eager_step(*x, use_qk_l2norm), static_in)
+        return False if captured is False else (key, *captured)
 
     def _forget_graph(self) -> None:
         """The pool's tensors were replaced (load, select_rows): a graph would address the old ones."""
