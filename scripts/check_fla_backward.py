@@ -17,7 +17,8 @@ Measured on an H100 with Triton 3.6.0 and FLA 0.6.0 (2026-12-05): FLA itself ref
 (``chunk_bwd_dqkwg`` raises "Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs produces incorrect results ...
 upgrade Triton to >= 3.7.1 or install tilelang"). That run stopped at the refusal, before the KDA cases;
 refusals are now recorded and the other cases go on, and ``--unguard-hopper`` lifts the refusal to
-measure the kernel.
+measure the kernel. Family ``gdn-kda`` is the way around it: GDN computed by KDA's kernel with the scalar
+decay on every key channel (:func:`gdn_through_kda`), checked against the GDN loop.
 
     python scripts/check_fla_backward.py --json out/fla-backward.json      # on the GPU, FLA installed
 """
@@ -57,7 +58,7 @@ def inputs(family: str, b: int, t: int, h: int, d: int, seed: int, device):
         return torch.randn(*shape, generator=gen, dtype=torch.float64)
 
     q, k, v = rnd(b, t, h, d), rnd(b, t, h, d), rnd(b, t, h, d)
-    shape = (b, t, h) if family == "gdn" else (b, t, h, d)
+    shape = (b, t, h, d) if family == "kda" else (b, t, h)
     # log decays spread over short and long memories, as in a trained model's gates
     g = -torch.exp(rnd(*shape) * 1.5 - 3.0)
     beta = torch.sigmoid(rnd(b, t, h))
@@ -69,10 +70,37 @@ def inputs(family: str, b: int, t: int, h: int, d: int, seed: int, device):
 TOLERANCES = {"float32": 5e-3, "bfloat16": 1e-2}
 
 
+def gdn_through_kda(
+    query, key, value, g, beta, scale=None, initial_state=None, output_final_state=False,
+    use_qk_l2norm_in_kernel=False, cu_seqlens=None, **layer_kwargs,
+):  # fmt: skip
+    """Gated DeltaNet's chunked step computed by FLA's KDA kernel, with GDN's signature.
+
+    GDN is KDA whose per-key-channel log decay is the head's scalar ``g [B, T, H]`` on every channel, so
+    ``chunk_kda(g=g[..., None].expand(B, T, H, K))`` gives the same outputs and final state, and autograd
+    sums KDA's per-channel ``dg`` back onto ``g``. It exists because FLA 0.6.0 refuses its own gated GDN
+    backward on Hopper with Triton < 3.7.1 (its issue 640, a miscompiled transpose in ``chunk_bwd_dqkwg``,
+    which KDA's backward does not call). ``layer_kwargs``: what transformers' layer forwards beyond the
+    kernel's arguments, dropped as transformers' own kernel wrapper drops them. Returns ``(o, final_state)``.
+    """
+    from fla.ops.kda import chunk_kda
+
+    g_k = g[..., None].expand(*g.shape, key.shape[-1]).contiguous()
+    return chunk_kda(query, key, value, g=g_k, beta=beta, scale=scale, initial_state=initial_state,
+                     output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                     cu_seqlens=cu_seqlens)  # fmt: skip
+
+
+# the kernels checked: "gdn-kda" is GDN (scalar decays, GDN's reference) run by KDA's kernel
+FAMILIES = ("gdn", "gdn-kda", "kda")
+
+
 def run_fla(family: str, q, k, v, g, beta, h0, scale: float):
     """FLA's chunked kernel; ``h0=None``: no initial state and no final state (training's call)."""
     if family == "gdn":
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fn
+    elif family == "gdn-kda":
+        fn = gdn_through_kda
     else:
         from fla.ops.kda import chunk_kda as fn
     return fn(q, k, v, g=g, beta=beta, scale=scale, initial_state=h0, output_final_state=h0 is not None,
@@ -150,7 +178,7 @@ def preflight(
     tolerances: dict | None = None,
     unguard: bool = False,
 ) -> dict:
-    """Check FLA's chunked kernels of ``families`` (``"gdn"``, ``"kda"``) on this GPU before training on them:
+    """Check FLA's chunked kernels of ``families`` (of :data:`FAMILIES`) on this GPU before training on them:
     every family, dtype, head dim, chunk length, with and without states.  Returns ``{"ok", "unguarded",
     "rows", "refused", "failed", "tolerances"}``; ``ok`` only if no case was refused and every error is
     within its dtype's tolerance (a NaN fails)."""
@@ -180,7 +208,7 @@ def preflight(
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--families", nargs="+", choices=("gdn", "kda"), default=["gdn", "kda"])
+    p.add_argument("--families", nargs="+", choices=FAMILIES, default=list(FAMILIES))
     p.add_argument("--tokens", type=int, nargs="+", default=[64, 200, 512])
     p.add_argument(
         "--head-dims", type=int, nargs="+", default=[128], help="key = value head dims (default 128)"

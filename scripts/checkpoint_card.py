@@ -44,8 +44,7 @@ only): {std_files} files, {std_rule}.
 micro-batch {micro} x {accum} accumulation of {seq}-byte random windows. AdamW (betas 0.9/0.95, weight
 decay 0.1 on weight matrices, none on gates, norms, embeddings), peak lr {lr}, {warmup}-step warmup then
 cosine to 10% over the wall-clock budget, gradient clipping 1.0, bf16 autocast over fp32 master weights.
-The linear layers ran through transformers' own torch chunked path (`{paths}`): FLA was blocked, its
-chunked backward being wrong on Hopper. torch {torch}, transformers {transformers}, Python {python}.
+{kernels} torch {torch}, transformers {transformers}, Python {python}.
 Command: `{command}`.
 
 ## Held-out bits per byte (shipped bf16 weights)
@@ -74,6 +73,25 @@ Head medians: {summary}.
 
 {table}
 """
+
+
+def kernel_sentence(paths: list[str], kda: bool) -> str:
+    """What ran the linear layers in training, from the report's ``torch_paths``: transformers' torch path
+    (FLA blocked), or FLA's kernels with the float64 check they passed on the training GPU."""
+    path = paths[2 if kda else 0]
+    if "(fla" not in path:
+        return (
+            f"The linear layers ran through transformers' own torch chunked path (`{path}`): FLA was blocked, "
+            "its chunked backward being wrong on Hopper."
+        )
+    checked = next(p for p in paths if p.startswith("FLA checked"))
+    via = (
+        "FLA's KDA kernel with the head's decay on every key channel (the same recurrence; FLA 0.6.0 refuses "
+        "its own GDN backward on Hopper with Triton < 3.7.1)"
+        if "chunk_kda" in path
+        else "FLA's chunked kernel"
+    )
+    return f"The linear layers ran through {via} (`{path}`), after a check on the same GPU: {checked}."
 
 
 def model_card(r: dict, vendored: set[str]) -> str:
@@ -156,7 +174,7 @@ def model_card(r: dict, vendored: set[str]) -> str:
         seq=t["seq_len"],
         lr=t["lr"],
         warmup=t["warmup"],
-        paths=r["torch_paths"][2 if kda else 0],
+        kernels=kernel_sentence(r["torch_paths"], kda),
         command=r["command"],
         val_n=r["bpb_bytes"]["site_packages_holdout"],
         val_bpb=r["bpb"]["site_packages_holdout"],

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On one H200 (torch 2.11+cu130, transformers 5.17; FLA stays off the training path unless KERNELS=fla, after
+# On one H200 (torch 2.11+cu130, transformers 5.17; FLA stays off the training path unless KERNELS=fla[-kda], after
 # its gradients were checked on the GPU): train the recall checkpoints of issue 21 side by side, one process
 # per model under MPS (each is bound by the torch path's kernel launches, so three share the GPU at little
 # cost to each).
@@ -10,9 +10,12 @@
 #   INIT      default "shipped": warm start from the shipped hybrid of the same family
 #   EXTRA     more train_recall.py flags, e.g. "--max-distance 3072 --seq 4096"
 #   GDN_BATCH windows per step of the GDN models (default 32)
-#   KERNELS   torch (default) or fla: FLA's chunked kernels (carry .whl with FLA's wheels), measured against a
-#             float64 loop on this GPU before training (train_checkpoints.check_kernel_paths), which refuses
-#             to train on them if they are wrong
+#   KERNELS   torch (default), fla: FLA's chunked kernels (carry .whl with FLA's wheels), or fla-kda: the
+#             same with GDN run by FLA's KDA kernel (FLA 0.6.0 refuses its GDN backward on Hopper with
+#             Triton < 3.7.1); measured against a float64 loop on this GPU before training
+#             (train_checkpoints.check_kernel_paths), which refuses to train on them if they are wrong
+#   DEADLINE  unix time by which every process must have saved and reported (a device call's limit): each
+#             model's training is shortened to fit (train_recall.py --deadline)
 #   TINY      1: also train gdn-tiny, the CI-sized model, in a fourth process (default 0: the shipped one was
 #             trained on a 2-core CPU in 10 minutes, the command in its model card)
 #
@@ -28,15 +31,15 @@ if [ "${MPS:-1}" = 1 ] && command -v nvidia-cuda-mps-control >/dev/null; then
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # scripts/ import leapquant from this tree
 export LEAPQUANT_TRAIN_KERNELS=${KERNELS:-torch}
-if [ "$LEAPQUANT_TRAIN_KERNELS" = fla ]; then
+if [ "$LEAPQUANT_TRAIN_KERNELS" != torch ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH="$PYTHONPATH:/tmp/site" || { echo "KERNELS=fla needs FLA's wheels in .whl"; exit 2; }
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site" || { echo "KERNELS=$LEAPQUANT_TRAIN_KERNELS needs FLA's wheels in .whl"; exit 2; }
 fi
 # KDA's torch chunked path holds ~55 GB at batch 4 (its decay mask is [B, H, chunks, 64, 64, K]): beside the
 # GDN processes that fits an H200's 141 GB but not an H100's 80 GB (seen: out of memory), so halve it there
 gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
 kda_batch=4; [ "${gpu_mib:-0}" -lt 100000 ] && kda_batch=2
-[ "$LEAPQUANT_TRAIN_KERNELS" = fla ] && kda_batch=${KDA_BATCH:-16}  # FLA's chunks hold no [.., 64, 64, K] mask
+[ "$LEAPQUANT_TRAIN_KERNELS" != torch ] && kda_batch=${KDA_BATCH:-16}  # FLA's chunks hold no [.., 64, 64, K] mask
 pids=()
 for model in ${MODELS:-gdn-linear gdn-hybrid kda-linear}; do
   # GDN's torch path took 1.2 s a step at batch 8 x 4096 bytes on an H100 (~28K tokens/s), which for a 7M-
@@ -45,7 +48,7 @@ for model in ${MODELS:-gdn-linear gdn-hybrid kda-linear}; do
   # KDA's path runs ~7x fewer tokens/s and holds far more memory per window: a small batch.
   batch=16; case $model in kda-*) batch=$kda_batch ;; gdn-*) batch=${GDN_BATCH:-32} ;; esac
   python3 scripts/train_recall.py --model "$model" --init-from "${INIT:-shipped}" --minutes "${MINUTES:-5}" \
-    --batch "$batch" --out "$out/ckpt" ${EXTRA:-} > "$out/train-$model.log" 2>&1 &
+    --batch "$batch" --out "$out/ckpt" ${DEADLINE:+--deadline $DEADLINE} ${EXTRA:-} > "$out/train-$model.log" 2>&1 &
   pids+=($!)
 done
 # the CI-sized all-GDN model (32x32 states, < 1 MB) on short passkey prompts, in the same wall clock: a model

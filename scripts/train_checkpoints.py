@@ -22,8 +22,9 @@ issue 640), and transformers picks FLA by itself whenever it is importable. ``fl
 blocked in ``sys.modules`` before transformers is imported; ``check_torch_paths`` then verifies that every
 GDN/KDA/conv function resolved to transformers' torch reference, and exits otherwise. With
 ``LEAPQUANT_TRAIN_KERNELS=fla`` FLA's chunked kernels train instead (KDA's torch path trains ~7x fewer
-tokens a second than GDN's), but only after ``check_kernel_paths`` has measured their outputs and gradients
-against a float64 loop on this GPU.
+tokens a second than GDN's), and with ``fla-kda`` GDN runs through FLA's KDA kernel (the scalar decay on
+every key channel: the same recurrence, without the refused GDN backward), but only after
+``check_kernel_paths`` has measured their outputs and gradients against a float64 loop on this GPU.
 
     H200:       python scripts/train_checkpoints.py --arch both --minutes 4 --out $OUT/ckpt
     CPU smoke:  python scripts/train_checkpoints.py --device cpu --tiny --out /tmp/ckpt
@@ -48,11 +49,15 @@ from pathlib import Path
 
 START = time.time()
 # LEAPQUANT_TRAIN_KERNELS: "torch" (default) keeps FLA off the path; "fla" lets transformers take FLA's
-# chunked kernels, which check_kernel_paths first measures against a float64 loop on this GPU (refusing to
-# train if they are wrong). causal_conv1d stays off either way.
+# chunked kernels, and "fla-kda" also runs GDN through FLA's KDA kernel (its GDN backward is refused on
+# Hopper with Triton < 3.7.1); check_kernel_paths first measures them against a float64 loop on this GPU
+# (refusing to train if they are wrong). causal_conv1d stays off either way.
 TRAIN_KERNELS = os.environ.get("LEAPQUANT_TRAIN_KERNELS", "torch")
-if TRAIN_KERNELS not in ("torch", "fla"):
-    raise SystemExit(f"error: LEAPQUANT_TRAIN_KERNELS must be 'torch' or 'fla', got {TRAIN_KERNELS!r}")
+KERNEL_SETTINGS = ("torch", "fla", "fla-kda")
+if TRAIN_KERNELS not in KERNEL_SETTINGS:
+    raise SystemExit(
+        f"error: LEAPQUANT_TRAIN_KERNELS must be one of {', '.join(KERNEL_SETTINGS)}, got {TRAIN_KERNELS!r}"
+    )
 BLOCKED = ("fla", "causal_conv1d") if TRAIN_KERNELS == "torch" else ("causal_conv1d",)
 
 
@@ -84,11 +89,16 @@ from transformers import (  # noqa: E402
     Qwen3_5ForCausalLM,
     Qwen3_5TextConfig,
 )
+from transformers.models.qwen3_5 import modeling_qwen3_5  # noqa: E402
 
 from leapquant.plan.presets import BYTE_VOCAB, byte_hybrid_config  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the model card beside this script
+from check_fla_backward import gdn_through_kda  # noqa: E402
 from checkpoint_card import model_card  # noqa: E402
+
+if TRAIN_KERNELS == "fla-kda":  # the layer calls this module global by name at every forward
+    modeling_qwen3_5.torch_chunk_gated_delta_rule = gdn_through_kda
 
 OFFSET, PAD, EOS = 3, 0, 1  # ids: 0 <pad>, 1 </s> (our file separator), 2 <unk>, byte b -> b + 3 (as ByT5)
 VOCAB = BYTE_VOCAB
@@ -124,6 +134,9 @@ def resolved_paths() -> list[tuple[str, object, bool]]:
     for model_name, fn_name in TORCH_PATHS:
         mod = importlib.import_module(f"transformers.models.{model_name}.modeling_{model_name}")
         fn = getattr(mod, fn_name)
+        if fn is gdn_through_kda:
+            out.append((f"modeling_{model_name}.{fn_name}", fn, False))
+            continue
         impl = inspect.getclosurevars(fn).nonlocals.get("implementation")
         on_torch = impl is not None and impl is getattr(fn, "__wrapped__", None)
         out.append((f"modeling_{model_name}.{fn_name}", impl, on_torch))
@@ -150,14 +163,18 @@ def linear_head_dim(arch: str, tiny: bool) -> int:
 
 def check_kernel_paths(device: torch.device, families=("gdn", "kda"), head_dims=(128,)) -> list[str]:
     """The linear-attention kernels training will run, checked: transformers' torch path (default), or with
-    ``LEAPQUANT_TRAIN_KERNELS=fla`` FLA's chunked kernels, whose outputs and gradients must first match a
-    float64 loop on this GPU for ``families`` at ``head_dims`` (``scripts/check_fla_backward.py``: fp32 and
-    bf16 inputs, with and without states; FLA 0.6.0's refusal of the gated GDN backward on Hopper is lifted
-    for that measurement). Exits with the reason otherwise."""
+    ``LEAPQUANT_TRAIN_KERNELS=fla`` (or ``fla-kda``: GDN through KDA's kernel) FLA's chunked kernels, whose
+    outputs and gradients must first match a float64 loop on this GPU for ``families`` at ``head_dims``
+    (``scripts/check_fla_backward.py``: fp32 and bf16 inputs, with and without states; FLA 0.6.0's refusal of
+    the gated GDN backward on Hopper is lifted for that measurement). Exits with the reason otherwise."""
     if TRAIN_KERNELS == "torch":
         return check_torch_paths()
     if device.type != "cuda":
-        raise SystemExit("error: LEAPQUANT_TRAIN_KERNELS=fla needs a CUDA GPU (FLA's kernels run only there)")
+        raise SystemExit(
+            f"error: LEAPQUANT_TRAIN_KERNELS={TRAIN_KERNELS} needs a CUDA GPU (FLA's kernels run only there)"
+        )
+    if TRAIN_KERNELS == "fla-kda":
+        families = tuple(dict.fromkeys("gdn-kda" if f == "gdn" else f for f in families))
     names = []
     for name, impl, on_torch in resolved_paths():
         if on_torch != name.split(".")[1].startswith("causal_conv1d"):
@@ -165,9 +182,8 @@ def check_kernel_paths(device: torch.device, families=("gdn", "kda"), head_dims=
                 f"error: {name} resolved to {impl!r}: with LEAPQUANT_TRAIN_KERNELS=fla the linear attention "
                 "must run FLA's kernels and the convolution transformers' torch path"
             )
-        names.append(
-            f"{name.rsplit('.', 2)[-2]}.{name.rsplit('.', 1)[-1]} ({'torch' if on_torch else 'fla'})"
-        )
+        path = "torch" if on_torch else "fla chunk_kda" if impl is gdn_through_kda else "fla"
+        names.append(f"{name.rsplit('.', 2)[-2]}.{name.rsplit('.', 1)[-1]} ({path})")
     from check_fla_backward import preflight
 
     result = preflight(families, head_dims=tuple(head_dims), unguard=True)

@@ -135,7 +135,12 @@ def train(model, corpus: torch.Tensor, args, device, log) -> dict:
         betas=(0.9, 0.95),
         fused=device.type == "cuda",
     )
-    gen, budget, steps, tokens, hist = random.Random(args.seed), args.minutes * 60, 0, 0, []
+    gen, budget, steps, tokens, hist, skipped = random.Random(args.seed), args.minutes * 60, 0, 0, [], 0
+    if args.deadline:  # a device call's end: this model's share of the time left, less its reporting
+        budget = min(budget, (args.deadline - time.time()) / args.models_left - args.reserve)
+        if budget < 30:
+            raise SystemExit(f"error: --deadline leaves {budget:.0f} s of training for this model")
+        log(f"  training budget {budget:.0f} s (--deadline)")
     t0 = last = time.time()
     model.train()
     while time.time() - t0 < budget and not (args.max_steps and steps >= args.max_steps):
@@ -168,7 +173,14 @@ def train(model, corpus: torch.Tensor, args, device, log) -> dict:
             log(f"  out of memory at step {steps + 1}: batch now {args.batch}")
             continue
         lm, ans = lm.detach(), ans.detach()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        if not torch.isfinite(norm):  # one such step would poison AdamW's moments for good: skip it
+            opt.zero_grad(set_to_none=True)
+            skipped += 1
+            log(f"  step {steps + 1}: gradient norm {float(norm)}, step skipped ({skipped} so far)")
+            if skipped > 10:
+                raise SystemExit(f"error: {skipped} steps with a non-finite gradient: stopping")
+            continue
         opt.step()
         opt.zero_grad(set_to_none=True)
         steps, tokens = steps + 1, tokens + x.numel()
@@ -201,6 +213,7 @@ def train(model, corpus: torch.Tensor, args, device, log) -> dict:
         "seq_len": args.seq,
         "lr": args.lr,
         "warmup": args.warmup,
+        "skipped_steps": skipped,
         "history": hist,
     }
 
@@ -341,6 +354,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--max-steps", type=int, default=0, help="also stop after this many steps (0: time only)")
+    p.add_argument(
+        "--deadline", type=float, default=0,
+        help="unix time by which every model must be trained, saved and reported (a device call's limit): "
+        "shortens --minutes to fit, keeping --reserve seconds per model for the rest",
+    )  # fmt: skip
+    p.add_argument("--reserve", type=float, default=120, help="seconds per model after training (--deadline)")
     p.add_argument("--recall-fraction", type=float, default=0.5, help="share of windows with recall examples")
     p.add_argument(
         "--tasks", nargs="+", choices=list(TASKS), default=list(TASKS), help="recall tasks mixed in"
@@ -359,6 +378,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     args.model = args.model or ["gdn-linear"]
+    args.models_left = 1  # models still to train in this process, counting the current one (main sets it)
     if not 0 <= args.recall_fraction <= 1 or args.min_distance < 1 or args.max_distance < args.min_distance:
         p.error("need 0 <= --recall-fraction <= 1 and 1 <= --min-distance <= --max-distance")
     if args.max_distance + 128 > args.seq:
@@ -384,7 +404,10 @@ def main(argv=None) -> dict:
     )
     corpus = tc.load_corpus(args.max_bytes, args.eval_bytes)
     log(f"data: {corpus['info']['train_files']} files, {corpus['info']['train_bytes'] / 1e6:.1f} MB")
-    reports = {m: run_model(m, corpus, args, device, torch_paths, log) for m in args.model}
+    reports = {}
+    for i, m in enumerate(args.model):
+        args.models_left = len(args.model) - i
+        reports[m] = run_model(m, corpus, args, device, torch_paths, log)
     log(
         f"done in {time.time() - tc.START:.0f} s: "
         + "; ".join(f"{r['name']} {r['bpb']} recall {r['recall_fp32']}" for r in reports.values())

@@ -192,8 +192,12 @@ def test_recall_cli_runs_a_real_method_and_reports(tmp_path, capsys):
     md = capsys.readouterr().out
     assert "| `int8` | 1.031 | 100.0 | 100.0 |" in md
     err = row["state_rel_err"]
-    assert f"| `int8` | {round(row['agree_fp32']['24'])}/1 | {round(row['agree_fp32']['40'])}/1 " \
-        f"| {err['24']:.2g} | {err['40']:.2g} |" in md and "| `fp32` | 1/1 | 1/1 | 0 | 0 |" in md
+    assert (
+        f"| `int8` | {round(row['agree_fp32']['24'])}/1 | {round(row['agree_fp32']['40'])}/1 "
+        f"| {err['24']:.2g} | {err['40']:.2g} |"
+        in md
+        and "| `fp32` | 1/1 | 1/1 | 0 | 0 |" in md
+    )
 
     # a process cut short before the longest distance: merged, its cell "not reached", the plot drawn;
     # the same gap in a report that claims to be complete is a missing file, refused

@@ -18,8 +18,12 @@ import leapquant
 from leapquant.eval.model_eval import DEFAULT_MODEL, EvalConfig, evaluate_model, load_model
 
 CHECKPOINTS = ["qwen35-gdn-hybrid-byte", "kimi-kda-hybrid-byte"]
-# the all-GDN recall models (scripts/train_recall.py); tests/test_recall.py scores the tiny one on the task
-RECALL_CHECKPOINTS = ["qwen35-gdn-linear-recall-byte", "qwen35-gdn-tiny-recall-byte"]
+# the all-linear-attention recall models (scripts/train_recall.py); tests/test_recall.py scores the tiny one
+RECALL_CHECKPOINTS = [
+    "kimi-kda-linear-recall-byte",
+    "qwen35-gdn-linear-recall-byte",
+    "qwen35-gdn-tiny-recall-byte",
+]
 
 
 @pytest.fixture(scope="module", params=CHECKPOINTS)

@@ -122,10 +122,11 @@ def test_recall_training_halves_the_batch_when_memory_runs_out(tc, monkeypatch):
 @pytest.mark.parametrize(
     ("kernels", "device", "message"),
     [
-        ("triton", "cpu", "LEAPQUANT_TRAIN_KERNELS must be 'torch' or 'fla', got 'triton'"),
+        ("triton", "cpu", "LEAPQUANT_TRAIN_KERNELS must be one of torch, fla, fla-kda, got 'triton'"),
         ("fla", "cpu", "LEAPQUANT_TRAIN_KERNELS=fla needs a CUDA GPU"),
+        ("fla-kda", "cpu", "LEAPQUANT_TRAIN_KERNELS=fla-kda needs a CUDA GPU"),
     ],
-    ids=["unknown", "fla-without-gpu"],
+    ids=["unknown", "fla-without-gpu", "fla-kda-without-gpu"],
 )
 def test_training_kernels_setting_is_checked(tmp_path, kernels, device, message):
     """FLA joins the training path only on request and only where its kernels can be measured first; an
