@@ -81,8 +81,8 @@ def kernel_sentence(paths: list[str], kda: bool) -> str:
     path = paths[2 if kda else 0]
     if "(fla" not in path:
         return (
-            f"The linear layers ran through transformers' own torch chunked path (`{path}`): FLA was blocked, "
-            "its chunked backward being wrong on Hopper."
+            f"The linear layers ran through transformers' own torch chunked path (`{path}`): FLA was "
+            "blocked, its chunked backward being wrong on Hopper."
         )
     checked = next(p for p in paths if p.startswith("FLA checked"))
     via = (
