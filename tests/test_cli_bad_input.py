@@ -172,7 +172,11 @@ CASES = [
     ("calibrate-no-out", ["calibrate"], "required: --out"),
     ("calibrate-out", ["calibrate", "--out", f"{GONE}.json"], "gone does not exist"),
     ("calibrate-ext", ["calibrate", "--out", "plan.npz"], "expected a .json file"),
-    ("calibrate-model", ["calibrate", "--out", "p.json", "--model", "kimi-kda-hybrid"], "'kimi-kda-hybrid-byte'?"),
+    (
+        "calibrate-model",
+        ["calibrate", "--out", "p.json", "--model", "kimi-kda-hybrid"],
+        "'kimi-kda-hybrid-byte'?",
+    ),
     ("calibrate-tokens", ["calibrate", "--out", "p.json", "--tokens", "0"], "--tokens: must be >= 2"),
     ("calibrate-budget", ["calibrate", "--out", "p.json", "--budget", "-1"], "finite number > 0"),
     ("calibrate-text", ["calibrate", "--out", "p.json", "--text", "absent.txt"], "absent.txt: no such file"),

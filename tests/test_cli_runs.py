@@ -108,7 +108,11 @@ API_CASES = [
     ("patch-path", lambda: leapquant.patch("checkpoints/x"), "model must be a loaded transformers model"),
     ("bytes-dk", lambda: METHOD.bytes_per_element(0, 128), "d_k must be a whole number >= 1"),
     ("method-typo", lambda: leapquant.parse_method("leapqant-int8"), "did you mean 'leapquant-int8'"),
-    ("checkpoint", lambda: leapquant.checkpoint_path("kimi-kda-hybrid"), "did you mean 'kimi-kda-hybrid-byte'"),
+    (
+        "checkpoint",
+        lambda: leapquant.checkpoint_path("kimi-kda-hybrid"),
+        "did you mean 'kimi-kda-hybrid-byte'",
+    ),
     ("checkpoint-cut", lambda: leapquant.checkpoint_path("qwen35"), "one of 'qwen35-gdn-hybrid-byte', 'qwen"),
     ("device", lambda: resolve_device("tpu"), "unknown device 'tpu'"),
     ("device-gpu", lambda: resolve_device("cuda:99"), "CUDA"),
