@@ -179,11 +179,11 @@ def check_kernel_paths(device: torch.device, families=("gdn", "kda"), head_dims=
     for name, impl, on_torch in resolved_paths():
         if on_torch != name.split(".")[1].startswith("causal_conv1d"):
             raise SystemExit(
-                f"error: {name} resolved to {impl!r}: with LEAPQUANT_TRAIN_KERNELS=fla the linear attention "
-                "must run FLA's kernels and the convolution transformers' torch path"
+                f"error: {name} resolved to {impl!r}: with LEAPQUANT_TRAIN_KERNELS={TRAIN_KERNELS} the "
+                "linear attention must run FLA's kernels and the convolution transformers' torch path"
             )
         path = "torch" if on_torch else "fla chunk_kda" if impl is gdn_through_kda else "fla"
-        names.append(f"{name.rsplit('.', 2)[-2]}.{name.rsplit('.', 1)[-1]} ({path})")
+        names.append(f"{name} ({path})")
     from check_fla_backward import preflight
 
     result = preflight(families, head_dims=tuple(head_dims), unguard=True)
