@@ -321,6 +321,38 @@ def test_kernel_state_steps_inside_a_callers_graph():
     assert torch.equal(outer.materialize(), eager.materialize())
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (run on the H200)")
+@pytest.mark.parametrize("arch", ["qwen3_5", "kimi_linear"], ids=["gdn", "kda"])
+def test_multi_token_calls_replay_a_chunk_graph_equal_to_eager(arch):
+    """A multi-token call on an existing state (the recall evaluator's context chunks, chunked prefill)
+    replays one graph per layer and input shape from the second call of that shape on: over several
+    chunks, a remainder chunk and single decode tokens, every group (FP32, a per-step round trip, kernel
+    pools across window closes) gives the eager run's logits and states bit for bit."""
+    from transformers import DynamicCache
+
+    methods = ["fp32", "int8", "leapquant-int8", "int8/w4+ct2+smooth"]
+    runs = []
+    for graphs in (True, False):
+        model = tiny_model(arch, d=32).cuda()
+        ids = torch.randint(0, 64, (len(methods) * 2, 64), generator=torch.Generator().manual_seed(2)).cuda()
+        cache = DynamicCache(config=model.config)
+        patched = leapquant.patch(model, methods, graphs=graphs)
+        logits = []
+        with torch.inference_mode():
+            logits.append(model(ids[:, :8], past_key_values=cache, use_cache=True).logits)
+            for s, e in ((8, 20), (20, 32), (32, 44), (44, 56), (56, 61), (61, 62), (62, 63), (63, 64)):
+                logits.append(model(ids[:, s:e], past_key_values=cache, use_cache=True).logits)
+        store = cache._leapquant_states
+        captured = [any(e is not False for e in groups._chunk_graphs.values()) for groups in store.values()]
+        runs.append((torch.cat(logits, 1), patched.states(cache), captured))
+        patched.unpatch()
+    (got, got_states, captured), (want, want_states, _) = runs
+    assert all(captured), "a layer never replayed a chunk graph"
+    assert torch.equal(got, want)
+    for idx in want_states:
+        assert torch.equal(got_states[idx], want_states[idx]), f"layer {idx}: states differ"
+
+
 @pytest.mark.parametrize(
     ("method", "backend", "capturable"),
     [

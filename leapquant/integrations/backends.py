@@ -42,7 +42,7 @@ class NativeState:
         self.state = state.float().clone()
 
     def step(self, q, k, v, g, beta, use_qk_l2norm: bool = True) -> torch.Tensor:
-        out, self.state = self.recurrent_fn(
+        out, final = self.recurrent_fn(
             q[:, None],
             k[:, None],
             v[:, None],
@@ -52,6 +52,9 @@ class NativeState:
             output_final_state=True,
             use_qk_l2norm_in_kernel=use_qk_l2norm,
         )
+        # in place: the state keeps its address, so a CUDA graph of several steps (the layer's chunk
+        # graph) chains its replays through it
+        self.state.copy_(final)
         return out[:, 0].float()
 
     def materialize(self) -> torch.Tensor:
@@ -90,7 +93,13 @@ class DequantizedState(NativeState):
         return window.materialize().reshape(b, hv, d_k, d_v)
 
     def _round_trip(self, state: torch.Tensor) -> torch.Tensor:
-        if not self.graphs or state.device.type != "cuda" or self._graph is False or self.config.stochastic:
+        if (
+            not self.graphs
+            or state.device.type != "cuda"
+            or self._graph is False
+            or self.config.stochastic
+            or torch.cuda.is_current_stream_capturing()  # inside the layer's chunk graph: part of it
+        ):
             return self._eager_round_trip(state)
         if self._graph is None or self._graph[1][0].shape != state.shape:
             # two warm-up runs off the capture: lazily built constants, cuBLAS workspaces
@@ -104,11 +113,11 @@ class DequantizedState(NativeState):
         return static_out
 
     def load(self, state: torch.Tensor) -> None:
-        self.state = self._round_trip(state.float())
+        self.state = self._round_trip(state.float()).clone()  # its own tensor, updated in place from now
 
     def step(self, q, k, v, g, beta, use_qk_l2norm: bool = True) -> torch.Tensor:
         out = super().step(q, k, v, g, beta, use_qk_l2norm)
-        self.state = self._round_trip(self.state.float())
+        self.state.copy_(self._round_trip(self.state))
         return out
 
 

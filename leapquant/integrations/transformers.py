@@ -63,6 +63,9 @@ SUPPORTED_LAYERS: dict[str, _LayerKind] = {
     ),
 }
 
+# per layer: the multi-token shapes whose step loop is kept as a CUDA graph (a recall run uses three: the
+# context chunk, its remainder and the query prompt)
+_CHUNK_GRAPHS_KEPT = 4
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("leapquant_active_layer", default=None)
 _STATES_ATTR = "_leapquant_states"
 
@@ -154,15 +157,81 @@ class _RowGroups:
             )
             st.load(state[i * self.size : (i + 1) * self.size])
             self.states.append(st)
+        self.graphs = patched.graphs
+        # multi-token calls on CUDA: {key: (graph, static inputs, static output) or False}, and the keys
+        # that have run eagerly once (see step_chunk)
+        self._chunk_graphs: dict[tuple, tuple | bool] = {}
+        self._chunk_seen: set[tuple] = set()
+        self._own_capture = False
 
     def step(self, q, k, v, g, beta, use_qk_l2norm: bool) -> torch.Tensor:
-        if q.is_cuda and torch.cuda.is_current_stream_capturing():
+        if q.is_cuda and not self._own_capture and torch.cuda.is_current_stream_capturing():
             self._check_capturable()
         outs = []
         for i, st in enumerate(self.states):
             rows = slice(i * self.size, (i + 1) * self.size)
             outs.append(st.step(q[rows], k[rows], v[rows], g[rows], beta[rows], use_qk_l2norm))
         return torch.cat(outs)
+
+    def step_chunk(self, q, k, v, g, beta, use_qk_l2norm: bool) -> torch.Tensor:
+        """``T`` tokens (inputs ``[B, T, HV, ...]``) through the states one after another: ``[B, T, HV, V]``.
+
+        A multi-token call on an existing state (chunked prefill, assisted decoding, the recall evaluator's
+        context) is ``T`` steps of a few launches each, bound by host work. On CUDA with graphs on, the
+        whole loop replays one graph per input shape, captured at the second call of that shape (the
+        first runs eagerly: it compiles, autotunes and allocates, and advances the states as every call
+        must). Capturing launches nothing, so the states advance only by the replay that follows; every
+        state updates its tensors in place, so each replay continues from the last. A shape that cannot
+        be captured (a host synchronisation somewhere) stays eager.
+        """
+        inputs = (q, k, v, g, beta)
+        if not self._chunk_graphable(q):
+            return self._eager_chunk(*inputs, use_qk_l2norm)
+        key = (tuple((x.shape, x.dtype, x.device) for x in inputs), use_qk_l2norm)
+        entry = self._chunk_graphs.get(key)
+        if entry is None:
+            if key not in self._chunk_seen:
+                self._chunk_seen.add(key)
+                return self._eager_chunk(*inputs, use_qk_l2norm)
+            if len(self._chunk_graphs) >= _CHUNK_GRAPHS_KEPT:  # each graph holds its own memory pool
+                del self._chunk_graphs[next(iter(self._chunk_graphs))]
+            entry = self._chunk_graphs[key] = self._capture_chunk(inputs, use_qk_l2norm)
+        if entry is False:
+            return self._eager_chunk(*inputs, use_qk_l2norm)
+        graph, static_in, static_out = entry
+        for dst, src in zip(static_in, inputs, strict=True):
+            dst.copy_(src)
+        graph.replay()
+        return static_out.clone()  # the next replay overwrites static_out
+
+    def _eager_chunk(self, q, k, v, g, beta, use_qk_l2norm: bool) -> torch.Tensor:
+        steps = range(q.shape[1])
+        return torch.stack(
+            [self.step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], use_qk_l2norm) for t in steps], 1
+        )
+
+    def _chunk_graphable(self, q: torch.Tensor) -> bool:
+        from .backends import DequantizedState, KernelState, NativeState
+
+        if not (self.graphs and q.is_cuda and q.shape[1] > 1) or torch.cuda.is_current_stream_capturing():
+            return False
+        for st in self.states:
+            # the reference keeps its window position on the host; stochastic rounding draws host-seeded noise
+            if isinstance(st, DequantizedState) and st.config.stochastic:
+                return False
+            if not isinstance(st, (KernelState, NativeState)):
+                return False
+        return True
+
+    def _capture_chunk(self, inputs: tuple, use_qk_l2norm: bool) -> tuple | bool:
+        from .backends import _capture
+
+        static_in = tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in inputs)
+        self._own_capture = True
+        try:
+            return _capture(lambda *x: self._eager_chunk(*x, use_qk_l2norm), static_in)
+        finally:
+            self._own_capture = False
 
     def _check_capturable(self) -> None:
         """Inside a CUDA graph the caller captures, only kernel pools are right: they update their state in
@@ -191,6 +260,8 @@ class _RowGroups:
                 raise LeapQuantError("generate() moved rows between method groups; use one method per batch")
             st.select_rows(mine)
         self.size = size
+        self._chunk_graphs.clear()  # they address the replaced tensors
+        self._chunk_seen.clear()
 
 
 def _row_handle(batch: int, device: torch.device) -> torch.Tensor:
@@ -268,11 +339,7 @@ class _PatchedLayer:
             ):
                 groups.select_rows(rows)
             groups.handle_seen = initial_state
-        outs = [
-            groups.step(query[:, t], key[:, t], value[:, t], g[:, t], beta[:, t], use_qk_l2norm_in_kernel)
-            for t in range(query.shape[1])
-        ]
-        out = torch.stack(outs, dim=1).to(query.dtype)
+        out = groups.step_chunk(query, key, value, g, beta, use_qk_l2norm_in_kernel).to(query.dtype)
         return out, _row_handle(query.shape[0], query.device)
 
 
