@@ -160,6 +160,36 @@ def test_scores_come_from_decoding_through_each_state(recall_model, monkeypatch)
     assert lq["agree_fp32"] == 1.0 and lq["accuracy"] == fp32["accuracy"] and 0 < lq["state_rel_err"] < 0.05
 
 
+def test_a_layer_plan_is_a_row_of_its_own(recall_model, tmp_path):
+    """A saved layer plan (``leapquant calibrate --out``) scores as a row named by its file: a plan giving
+    every layer ``int8`` decodes exactly as the ``int8`` row, a mixed plan differs from both of its
+    methods (each layer really gets its own method), and the report names the plan's layers."""
+    from leapquant.eval.recall import score_examples
+    from leapquant.methods import LayerPlan
+
+    model, tok = recall_model
+    text = tok(TEXT_STD, add_special_tokens=False)["input_ids"]
+    encode_ = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    examples = make_examples("passkey", 96, 4, text, encode_, seed=5, prefix=16)
+    int8, int4 = parse_method("int8"), parse_method("int4")
+    uniform = LayerPlan(tuple((i, int8) for i in range(4)), None).save(tmp_path / "all-int8.json")
+    mixed = LayerPlan(((0, int4), (1, int8), (2, int8), (3, int4)), None).save(tmp_path / "mixed.json")
+    config = RecallConfig(methods=("int8", "int4", str(uniform), str(mixed)), chunk=32)
+    report = score_examples(model, examples, config)
+    same, mix = report[str(uniform)], report[str(mixed)]
+    assert (
+        same["answers"] == report["int8"]["answers"]
+        and same["state_rel_err"] == report["int8"]["state_rel_err"]
+    )
+    errs = {report[m]["state_rel_err"] for m in ("int8", "int4")}
+    assert mix["state_rel_err"] not in errs and min(errs) < mix["state_rel_err"] < max(errs)
+    assert config.config_of(str(mixed)).bytes_per_element(32, 32) == pytest.approx(
+        (int8.bytes_per_element(32, 32) + int4.bytes_per_element(32, 32)) / 2
+    )
+    with pytest.raises(LeapQuantError, match="does not exist"):
+        RecallConfig(methods=(str(tmp_path / "missing.json"),))
+
+
 def test_recall_cli_runs_a_real_method_and_reports(tmp_path, capsys):
     """`leapquant recall` end to end on a shipped checkpoint by name (CPU, ~60 tokens): JSON, table, plot."""
     from leapquant.cli.main import main

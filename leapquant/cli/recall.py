@@ -39,8 +39,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         help=f"a checkpoint's name or a transformers folder (default {RECALL_MODEL})",
     )  # fmt: skip
     p.add_argument(
-        "--method", "-m", action="append", help="method or preset name, repeatable (default: int8-ablation)"
-    )
+        "--method", "-m", action="append",
+        help="method, preset or layer plan (PLAN.json), repeatable (default: int8-ablation)",
+    )  # fmt: skip
     p.add_argument("--task", choices=list(TASKS), default="passkey")
     p.add_argument(
         "--distances", type=count(), nargs="+", default=[1024, 4096, 16384], metavar="N",

@@ -77,7 +77,8 @@ class RecallConfig:
     """What to score.
 
     Args:
-        methods: method names (presets expanded by :func:`resolve_methods`); FP32 always runs too.
+        methods: method names (presets expanded by :func:`resolve_methods`) or saved layer plans
+            (``*.json``, e.g. a ``leapquant-auto`` plan from ``leapquant calibrate``); FP32 always runs too.
         task: ``passkey`` or ``mqar``.
         distances: tokens from the planted keys to the (first) query.
         examples: prompts per distance, all in one batch per method.
@@ -97,7 +98,7 @@ class RecallConfig:
     backend: str = "auto"
 
     def __post_init__(self) -> None:
-        from ..methods import parse_method
+        from ..methods import load_plan, parse_method
 
         object.__setattr__(self, "methods", resolve_methods(self.methods))
         if self.task not in TASKS:
@@ -107,10 +108,16 @@ class RecallConfig:
         for name in ("examples", "prefix", "chunk"):
             if getattr(self, name) < 1:
                 raise LeapQuantError(f"recall: {name} must be >= 1, got {getattr(self, name)}")
-        object.__setattr__(self, "_configs", {m: parse_method(m) for m in ("fp32", *self.methods)})
+        # a saved layer plan (`leapquant calibrate --out PLAN.json`) is named by its file
+        configs = {
+            m: load_plan(m) if m.strip().endswith(".json") else parse_method(m)
+            for m in ("fp32", *self.methods)
+        }
+        object.__setattr__(self, "_configs", configs)
 
     def config_of(self, name: str):
-        """The :class:`~leapquant.methods.MethodConfig` of ``fp32`` or a method this config names."""
+        """The :class:`~leapquant.methods.MethodConfig` (or :class:`~leapquant.methods.LayerPlan`) of
+        ``fp32`` or a method this config names."""
         return self._configs[name]
 
 
@@ -243,6 +250,7 @@ def evaluate_recall(
             m: {
                 "bytes_per_element": config.config_of(m).bytes_per_element(128, 128),
                 "window": config.config_of(m).window,
+                **({"plan": config.config_of(m).name} if m.strip().endswith(".json") else {}),
             }
             for m in rows
         },
