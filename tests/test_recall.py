@@ -248,3 +248,26 @@ def test_recall_cli_runs_a_real_method_and_reports(tmp_path, capsys):
         joined = json.loads(merged.read_text())
         assert not joined["complete"] and (tmp_path / "m.png").stat().st_size > 0
         assert [r["methods"] for r in joined["seconds_by_run"]] == [["int8"], ["int6"]]
+
+    # distances measured on several machines: the header names each machine with its distances, and a
+    # merged report merged again keeps every run's machine
+    reports = {}
+    for dist, dev in (("24", "cpu"), ("40", "NVIDIA H100 80GB HBM3"), ("56", "NVIDIA H200")):
+        rep = json.loads(out.read_text())
+        rep["distances"], rep["seconds"] = [int(dist)], {dist: 1.0}
+        rep["provenance"] = {**rep["provenance"], "device": dev}
+        for m in rep["methods"].values():
+            for key, value in m.items():
+                if isinstance(value, dict):
+                    m[key] = {dist: value[min(dist, "40")]}
+        reports[dist] = tmp_path / f"at-{dist}.json"
+        reports[dist].write_text(json.dumps(rep))
+    first, both = tmp_path / "first.json", tmp_path / "both.json"
+    assert main(["recall-report", str(reports["24"]), str(reports["40"]), "--merge", str(first)]) == 0
+    capsys.readouterr()
+    assert main(["recall-report", str(first), str(reports["56"]), "--merge", str(both)]) == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    assert "; cpu (24 tokens, " in header and "; NVIDIA H100 80GB HBM3 (40 tokens, " in header
+    assert "; NVIDIA H200 (56 tokens, " in header
+    runs = json.loads(both.read_text())["seconds_by_run"]
+    assert [r["device"] for r in runs] == ["cpu", "NVIDIA H100 80GB HBM3", "NVIDIA H200"]

@@ -156,14 +156,12 @@ def recall_markdown(report: dict) -> str:
     error."""
     from ..eval.recall import recall_table_rows, state_table_rows
 
-    prov = report.get("provenance", {})
     done = "" if report.get("complete", True) else " (cut short: partial report)"
     dists = report["distances"]
     lines = [
         f"`{Path(report['model']).name}` ({report['architecture']}), {report['task']}, {report['examples']} "
-        f"prompts per distance, {report['prefix']}-token prefix{done}; {prov.get('device', '?')}, "
-        f"{prov.get('date_utc', '?')}, backend {report['backend']}. Exact-match accuracy (%) by distance "
-        "(tokens).",
+        f"prompts per distance, {report['prefix']}-token prefix{done}; {_where(report)}, "
+        f"backend {report['backend']}. Exact-match accuracy (%) by distance (tokens).",
         "",
         "| method | bytes/elem | " + " | ".join(str(d) for d in dists) + " |",
         "| --- | ---: |" + " ---: |" * len(dists),
@@ -221,11 +219,47 @@ def merge_recall(reports: list[dict]) -> dict:
             raise LeapQuantError(f"merge: method {name!r} has no result at distances {missing}")
     merged["complete"] = all(r["complete"] for r in reports)
     merged["merged_from"] = len(reports)
-    # each run's own wall time per distance (``seconds`` above is only the last run's, per distance)
-    merged["seconds_by_run"] = [
-        {"methods": [m for m in r["methods"] if m != "fp32"], "seconds": r["seconds"]} for r in reports
-    ]
+    # each run's own wall time per distance (``seconds`` above is only the last run's, per distance) and
+    # where it ran: a table may join distances measured on different machines. A merged input keeps its runs.
+    merged["seconds_by_run"] = [run for r in reports for run in _runs(r)]
     return merged
+
+
+def _runs(report: dict) -> list[dict]:
+    if "seconds_by_run" in report:
+        prov = report.get("provenance", {})  # files merged before runs recorded their machine
+        return [
+            {"device": prov.get("device", "?"), "date_utc": prov.get("date_utc", "?"), **run}
+            for run in report["seconds_by_run"]
+        ]
+    prov = report.get("provenance", {})
+    return [
+        {
+            "methods": [m for m in report["methods"] if m != "fp32"],
+            "distances": report["distances"],
+            "seconds": report["seconds"],
+            "device": prov.get("device", "?"),
+            "date_utc": prov.get("date_utc", "?"),
+        }
+    ]
+
+
+def _where(report: dict) -> str:
+    """``device, date`` of a report, or per machine the distances it measured (a merge across machines)."""
+    prov = report.get("provenance", {})
+    runs = report.get("seconds_by_run") or []
+    devices: dict[str, tuple[set, set]] = {}
+    for run in runs:
+        dists, dates = devices.setdefault(run.get("device", prov.get("device", "?")), (set(), set()))
+        dists.update(run.get("distances", run.get("seconds", {})))
+        dates.add(str(run.get("date_utc", prov.get("date_utc", "?")))[:10])
+    if len(devices) < 2:
+        return f"{prov.get('device', '?')}, {prov.get('date_utc', '?')}"
+    parts = []
+    for dev, (dists, dates) in devices.items():
+        tokens = ", ".join(str(d) for d in sorted(int(x) for x in dists))
+        parts.append(f"{dev} ({tokens} tokens, {', '.join(sorted(dates))})")
+    return "; ".join(parts)
 
 
 def run_recall_report(args: argparse.Namespace) -> int:
