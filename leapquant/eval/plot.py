@@ -98,37 +98,66 @@ def plot_model_state_error(report: dict, path: str | Path, title: str | None = N
     return save_figure(fig, path, bbox_inches="tight")
 
 
+# state errors above this are drawn at the axis' top: the state is gone (or inf/nan)
+_RECALL_ERR_TOP = 100.0
+
+
 def plot_recall_accuracy(report: dict, path: str | Path, title: str | None = None) -> Path:
-    """Exact-match recall accuracy against distance (log scale), one line per method (``leapquant recall``):
-    FP32 black, per-step methods dashed, per-window solid; a method with non-finite logits is marked."""
+    """Recall against distance (log scale), one line per method (``leapquant recall``): exact-match accuracy
+    on the left, the state error ``||S - S_fp32|| / ||S_fp32||`` after the last answer on the right (it
+    separates the methods where accuracy cannot: FP32 itself misses keys beyond its trained distances).
+    FP32 black and on top, per-step methods dashed, per-window solid; a method with non-finite logits is
+    marked, and state errors beyond the axis (diverged, inf, nan) are drawn at its top as crosses."""
+    import math
+
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     dists = report["distances"]
-    fig, ax = plt.subplots(figsize=(8.0, 4.6), dpi=130)
+    fig, (ax, ax_err) = plt.subplots(1, 2, figsize=(12.0, 4.6), dpi=130)
     colors = plt.get_cmap("tab20").colors + plt.get_cmap("tab20b").colors
+    top = _RECALL_ERR_TOP
     for i, (name, row) in enumerate(report["methods"].items()):
         have = [d for d in dists if str(d) in row["accuracy"]]  # a run cut short misses the longest
         acc = [100 * row["accuracy"][str(d)] for d in have]
         bad = any(row["nonfinite"][str(d)] for d in have)
-        style = "-" if row["window"] > 1 else "--"
-        color = "black" if name == "fp32" else colors[i % len(colors)]
-        label = f"{name} ({row['bytes_per_element']:.2f} B/elem)" + (", non-finite" if bad else "")
-        ax.plot(have, acc, style, marker="o", ms=3, lw=1.5, color=color, label=label)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(dists, [f"{d // 1024}K" if d % 1024 == 0 else str(d) for d in dists])
+        fp32 = name == "fp32"
+        style = "-" if row["window"] > 1 or fp32 else "--"
+        color = "black" if fp32 else colors[i % len(colors)]
+        shown = f"plan {Path(name).name}" if "plan" in row else name
+        label = f"{shown} ({row['bytes_per_element']:.2f} B/elem)" + (", non-finite" if bad else "")
+        z = 3 if fp32 else 2
+        ax.plot(
+            have, acc, style, marker="o", ms=3, lw=2.2 if fp32 else 1.5, color=color, label=label, zorder=z
+        )
+        if fp32 or "state_rel_err" not in row:
+            continue
+        errs = [row["state_rel_err"].get(str(d), math.nan) for d in have]
+        over = [not (math.isfinite(e) and e <= top) for e in errs]
+        ys = [top if o else e for e, o in zip(errs, over, strict=True)]
+        ax_err.plot(have, ys, style, marker="o", ms=3, lw=1.5, color=color, zorder=z)
+        ax_err.plot(
+            [d for d, o in zip(have, over, strict=True) if o], [top] * sum(over), "x", ms=7, color=color
+        )
+    ticks = [f"{d // 1024}K" if d % 1024 == 0 else str(d) for d in dists]
+    for a in (ax, ax_err):
+        a.set_xscale("log", base=2)
+        a.set_xticks(dists, ticks)
+        a.set_xlabel("distance from the planted key to the query (tokens)")
+        a.grid(True, which="both", alpha=0.3)
     ax.set_ylim(-3, 103)
-    ax.set_xlabel("distance from the planted key to the query (tokens)")
     ax.set_ylabel("exact-match accuracy (%)")
-    ax.grid(True, which="both", alpha=0.3)
+    ax_err.set_yscale("log")
+    ax_err.set_ylim(top=top * 2)
+    ax_err.set_ylabel(f"state error vs FP32 (x: > {top:g}, inf or nan)")
     model = Path(str(report["model"])).name
-    ax.set_title(
+    fig.suptitle(
         title
         or f"{report['task']} recall, {model}, {report['examples']} prompts per distance "
         "(dashed: per-step, solid: per-window)",
         fontsize=9,
     )
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax_err.legend(*ax.get_legend_handles_labels(), fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return save_figure(fig, path, bbox_inches="tight")
