@@ -163,7 +163,7 @@ def test_scores_come_from_decoding_through_each_state(recall_model, monkeypatch)
 def test_a_layer_plan_is_a_row_of_its_own(recall_model, tmp_path):
     """A saved layer plan (``leapquant calibrate --out``) scores as a row named by its file: a plan giving
     every layer ``int8`` decodes exactly as the ``int8`` row, a mixed plan differs from both of its
-    methods (each layer really gets its own method), and the report names the plan's layers."""
+    methods (each layer really gets its own method), and its bytes are the layers' average."""
     from leapquant.eval.recall import score_examples
     from leapquant.methods import LayerPlan
 
@@ -271,3 +271,9 @@ def test_recall_cli_runs_a_real_method_and_reports(tmp_path, capsys):
     assert "; NVIDIA H200 (56 tokens, " in header
     runs = json.loads(both.read_text())["seconds_by_run"]
     assert [r["device"] for r in runs] == ["cpu", "NVIDIA H100 80GB HBM3", "NVIDIA H200"]
+    # one row name, two configurations (a plan path holding another plan on the other machine): refused
+    other = json.loads(reports["56"].read_text())
+    other["methods"]["int8"]["bytes_per_element"] = 0.5
+    reports["56"].write_text(json.dumps(other))
+    assert main(["recall-report", str(first), str(reports["56"])]) == 2
+    assert "merge: method 'int8' has bytes_per_element" in capsys.readouterr().err

@@ -201,6 +201,12 @@ def merge_recall(reports: list[dict]) -> dict:
             into = merged["methods"].setdefault(name, {})
             for key, value in row.items():
                 if not isinstance(value, dict):
+                    # one name, one configuration: the same plan path on two machines may hold two plans
+                    if key in into and into[key] != value:
+                        raise LeapQuantError(
+                            f"merge: method {name!r} has {key} {into[key]!r} in one report and {value!r} "
+                            "in another"
+                        )
                     into[key] = value
                     continue
                 for d, v in value.items():

@@ -134,13 +134,15 @@ def plot_recall_accuracy(report: dict, path: str | Path, title: str | None = Non
         )
         if fp32 or "state_rel_err" not in row:
             continue
-        errs = [row["state_rel_err"].get(str(d), math.nan) for d in have]
+        measured = [d for d in have if str(d) in row["state_rel_err"]]
+        errs = [row["state_rel_err"][str(d)] for d in measured]
         over = [not (math.isfinite(e) and e <= top) for e in errs]
-        ys = [top if o else e for e, o in zip(errs, over, strict=True)]
-        ax_err.plot(have, ys, style, marker="o", ms=3, lw=1.5, color=color, zorder=z)
-        ax_err.plot(
-            [d for d, o in zip(have, over, strict=True) if o], [top] * sum(over), "x", ms=7, color=color
-        )
+        # an error of exactly 0 (a state equal to FP32's) has no place on a log axis: left out
+        points = [(d, top if o else e) for d, e, o in zip(measured, errs, over, strict=True) if o or e > 0]
+        if points:
+            ax_err.plot(*zip(*points), style, marker="o", ms=3, lw=1.5, color=color, zorder=z)
+        gone = [d for d, o in zip(measured, over, strict=True) if o]
+        ax_err.plot(gone, [top] * len(gone), "x", ms=7, color=color)
     ticks = [f"{d // 1024}K" if d % 1024 == 0 else str(d) for d in dists]
     for a in (ax, ax_err):
         a.set_xscale("log", base=2)

@@ -110,7 +110,7 @@ class RecallConfig:
                 raise LeapQuantError(f"recall: {name} must be >= 1, got {getattr(self, name)}")
         # a saved layer plan (`leapquant calibrate --out PLAN.json`) is named by its file
         configs = {
-            m: load_plan(m) if m.strip().endswith(".json") else parse_method(m)
+            m: load_plan(m.strip()) if m.strip().endswith(".json") else parse_method(m)
             for m in ("fp32", *self.methods)
         }
         object.__setattr__(self, "_configs", configs)

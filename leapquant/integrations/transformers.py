@@ -66,6 +66,8 @@ SUPPORTED_LAYERS: dict[str, _LayerKind] = {
 # per layer: the multi-token shapes whose step loop is kept as a CUDA graph (a recall run uses three: the
 # context chunk, its remainder and the query prompt)
 _CHUNK_GRAPHS_KEPT = 4
+# longer calls run eagerly: a graph holds a few nodes per token and group, and its capture costs an eager run
+_CHUNK_GRAPH_MAX_TOKENS = 512
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("leapquant_active_layer", default=None)
 _STATES_ATTR = "_leapquant_states"
 
@@ -158,10 +160,11 @@ class _RowGroups:
             st.load(state[i * self.size : (i + 1) * self.size])
             self.states.append(st)
         self.graphs = patched.graphs
-        # multi-token calls on CUDA: {key: (graph, static inputs, static output) or False}, and the keys
-        # that have run eagerly once (see step_chunk)
-        self._chunk_graphs: dict[tuple, tuple | bool] = {}
+        # multi-token calls on CUDA: {key: (graph, static inputs, static output)}, the keys that have run
+        # eagerly once, and those whose capture failed (see step_chunk)
+        self._chunk_graphs: dict[tuple, tuple] = {}  # least recently replayed first
         self._chunk_seen: set[tuple] = set()
+        self._chunk_uncapturable: set[tuple] = set()
         self._own_capture = False
 
     def step(self, q, k, v, g, beta, use_qk_l2norm: bool) -> torch.Tensor:
@@ -188,16 +191,24 @@ class _RowGroups:
         if not self._chunk_graphable(q):
             return self._eager_chunk(*inputs, use_qk_l2norm)
         key = (tuple((x.shape, x.dtype, x.device) for x in inputs), use_qk_l2norm)
+        if key in self._chunk_uncapturable:
+            return self._eager_chunk(*inputs, use_qk_l2norm)
         entry = self._chunk_graphs.get(key)
         if entry is None:
             if key not in self._chunk_seen:
                 self._chunk_seen.add(key)
                 return self._eager_chunk(*inputs, use_qk_l2norm)
+            entry = self._capture_chunk(inputs, use_qk_l2norm)
+            if entry is False:
+                self._chunk_uncapturable.add(key)
+                return self._eager_chunk(*inputs, use_qk_l2norm)
             if len(self._chunk_graphs) >= _CHUNK_GRAPHS_KEPT:  # each graph holds its own memory pool
-                del self._chunk_graphs[next(iter(self._chunk_graphs))]
-            entry = self._chunk_graphs[key] = self._capture_chunk(inputs, use_qk_l2norm)
-        if entry is False:
-            return self._eager_chunk(*inputs, use_qk_l2norm)
+                evicted = next(iter(self._chunk_graphs))  # the least recently replayed
+                del self._chunk_graphs[evicted]
+                self._chunk_seen.discard(evicted)  # seen again: eager once more before a recapture
+            self._chunk_graphs[key] = entry
+        else:
+            self._chunk_graphs[key] = self._chunk_graphs.pop(key)  # most recently used last
         graph, static_in, static_out = entry
         for dst, src in zip(static_in, inputs, strict=True):
             dst.copy_(src)
@@ -213,7 +224,9 @@ class _RowGroups:
     def _chunk_graphable(self, q: torch.Tensor) -> bool:
         from .backends import DequantizedState, KernelState, NativeState
 
-        if not (self.graphs and q.is_cuda and q.shape[1] > 1) or torch.cuda.is_current_stream_capturing():
+        if not (self.graphs and q.is_cuda and 1 < q.shape[1] <= _CHUNK_GRAPH_MAX_TOKENS):
+            return False
+        if torch.cuda.is_current_stream_capturing():
             return False
         for st in self.states:
             # the reference keeps its window position on the host; stochastic rounding draws host-seeded noise
@@ -234,8 +247,10 @@ class _RowGroups:
             self._own_capture = False
 
     def _check_capturable(self) -> None:
-        """Inside a CUDA graph the caller captures, only kernel pools are right: they update their state in
-        place, while the other states replace their tensor every step, which a replay would never see."""
+        """Inside a CUDA graph the caller captures, only kernel pools are supported. The reference keeps its
+        window position on the host, which a replay would never advance; the fp32 and per-step round-trip
+        states update in place but are captured only by the layer's own chunk graph (:meth:`step_chunk`),
+        after an eager call has built their buffers."""
         from .backends import KernelState
 
         for st in self.states:
@@ -250,6 +265,10 @@ class _RowGroups:
         return torch.cat([st.materialize() for st in self.states])
 
     def select_rows(self, rows: torch.Tensor) -> None:
+        # the states' tensors are replaced below: graphs addressing them go first, even if a check fails
+        self._chunk_graphs.clear()
+        self._chunk_seen.clear()
+        self._chunk_uncapturable.clear()
         groups = len(self.states)
         if rows.numel() % groups:
             raise LeapQuantError(f"generate() kept {rows.numel()} rows, not a multiple of {groups} methods")
@@ -260,8 +279,6 @@ class _RowGroups:
                 raise LeapQuantError("generate() moved rows between method groups; use one method per batch")
             st.select_rows(mine)
         self.size = size
-        self._chunk_graphs.clear()  # they address the replaced tensors
-        self._chunk_seen.clear()
 
 
 def _row_handle(batch: int, device: torch.device) -> torch.Tensor:
