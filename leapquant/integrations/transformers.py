@@ -8,7 +8,8 @@ Qwen3-Next, Kimi-Linear) through a LeapQuant (or any other method's) state:
   state (the prefill hand-off).
 * **Every decode token** goes through the method's state (:mod:`leapquant.integrations.backends`): the
   Triton kernels on CUDA when the method has one, the float reference otherwise. A multi-token call on an
-  existing state (chunked prefill, assisted decoding) steps through it token by token.
+  existing state (chunked prefill, assisted decoding) steps through it token by token; on CUDA that loop
+  replays as one captured graph per layer and input shape (:meth:`_RowGroups.step_chunk`).
 * ``method="fp32"`` keeps the model's own state and recurrent function: identical to the unpatched model.
 
 Design (why it survives transformers' cache API changes): transformers' layers call module-level kernel
