@@ -353,6 +353,75 @@ def test_multi_token_calls_replay_a_chunk_graph_equal_to_eager(arch):
         assert torch.equal(got_states[idx], want_states[idx]), f"layer {idx}: states differ"
 
 
+class _ReplayingGraph:
+    """Stands in for a captured CUDA graph on the CPU: a replay runs the captured function on the static
+    inputs into the static output, as a real replay would (the bookkeeping around it is what is tested)."""
+
+    def __init__(self, fn, static_in, static_out):
+        self.fn, self.static_in, self.static_out = fn, static_in, static_out
+
+    def replay(self):
+        self.static_out.copy_(self.fn(*self.static_in))
+
+
+def test_chunk_graph_bookkeeping(monkeypatch):
+    """The chunk graphs' cache without a GPU (the capture replaced by a replaying stand-in): a shape is
+    captured at its second call and replayed after, at most four graphs are kept (the least recently
+    replayed goes, and runs eagerly once more before its recapture), a shape whose capture failed is never
+    tried again, calls past 512 tokens stay eager, a row reorder drops every graph, and the logits equal
+    an eager run's throughout."""
+    from transformers import DynamicCache
+
+    import leapquant.integrations.backends as backends
+    import leapquant.integrations.transformers as hf
+
+    captures = []
+
+    def fake_capture(fn, static_in, warmup=0):
+        lengths = static_in[0].shape[1]
+        captures.append(lengths)
+        if lengths == 7:  # as if a host synchronisation broke this shape's capture
+            return False
+        graph = _ReplayingGraph(fn, static_in, torch.empty(static_in[2].shape, dtype=torch.float32))
+        return graph, static_in, graph.static_out
+
+    def run(graphs: bool):
+        model = tiny_model("qwen3_5", d=16)
+        ids = torch.randint(0, 64, (4, 220), generator=torch.Generator().manual_seed(4))
+        cache = DynamicCache(config=model.config)
+        patched = leapquant.patch(model, ["fp32", "int8"], graphs=graphs)
+        lengths = [2, 2, 3, 3, 4, 4, 5, 5, 2, 6, 6, 3, 7, 7, 7, 9, 9, 3, 2]  # 3: evicted by 6, seen again
+        out, s = [model(ids[:, :4], past_key_values=cache, use_cache=True).logits], 4
+        for n in lengths:
+            out.append(model(ids[:, s : s + n], past_key_values=cache, use_cache=True).logits)
+            s += n
+        groups = cache._leapquant_states[0]
+        state = (groups._chunk_graphs.copy(), set(groups._chunk_seen), set(groups._chunk_uncapturable))
+        groups.select_rows(torch.tensor([1, 0, 3, 2]))
+        assert not (groups._chunk_graphs or groups._chunk_seen or groups._chunk_uncapturable)
+        patched.unpatch()
+        return torch.cat(out, 1), state
+
+    want, _ = run(graphs=False)
+    monkeypatch.setattr(backends, "_capture", fake_capture)
+    monkeypatch.setattr(hf, "_CHUNK_GRAPH_MAX_TOKENS", 8)  # 9 tokens: eager however often
+    monkeypatch.setattr(
+        hf._RowGroups,
+        "_chunk_graphable",
+        lambda self, q: self.graphs and 1 < q.shape[1] <= hf._CHUNK_GRAPH_MAX_TOKENS,
+    )
+    got, (graphs, seen, failed) = run(graphs=True)
+    assert torch.equal(got, want)
+    layers = len(linear_attention_layers(tiny_model("qwen3_5", d=16)))
+    # one layer's story: 2-5 captured at their second call; a hit on 2 makes 3 the oldest, so 6 evicts it;
+    # 3 then runs eagerly once and is recaptured (evicting 4); 7's capture fails once and is never retried;
+    # 9 is past the token limit
+    assert captures == [n for n in (2, 3, 4, 5, 6, 7, 3) for _ in range(layers)]
+    assert [key[0][0][0][1] for key in graphs] == [5, 6, 3, 2]  # least recently replayed first
+    assert {key[0][0][0][1] for key in failed} == {7}
+    assert {key[0][0][0][1] for key in seen} == {2, 3, 5, 6, 7}
+
+
 @pytest.mark.parametrize(
     ("method", "backend", "capturable"),
     [
