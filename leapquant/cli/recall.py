@@ -232,22 +232,14 @@ def merge_recall(reports: list[dict]) -> dict:
 
 
 def _runs(report: dict) -> list[dict]:
-    if "seconds_by_run" in report:
-        prov = report.get("provenance", {})  # files merged before runs recorded their machine
-        return [
-            {"device": prov.get("device", "?"), "date_utc": prov.get("date_utc", "?"), **run}
-            for run in report["seconds_by_run"]
-        ]
+    """The runs a report holds, each with its machine (a merged report's runs carry their own; runs merged
+    before runs recorded a machine take the report's)."""
     prov = report.get("provenance", {})
-    return [
-        {
-            "methods": [m for m in report["methods"] if m != "fp32"],
-            "distances": report["distances"],
-            "seconds": report["seconds"],
-            "device": prov.get("device", "?"),
-            "date_utc": prov.get("date_utc", "?"),
-        }
-    ]
+    where = {"device": prov.get("device", "?"), "date_utc": prov.get("date_utc", "?")}
+    if "seconds_by_run" in report:
+        return [{**where, **run} for run in report["seconds_by_run"]]
+    methods = [m for m in report["methods"] if m != "fp32"]
+    return [{"methods": methods, "distances": report["distances"], "seconds": report["seconds"], **where}]
 
 
 def _where(report: dict) -> str:

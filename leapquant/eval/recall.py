@@ -98,7 +98,7 @@ class RecallConfig:
     backend: str = "auto"
 
     def __post_init__(self) -> None:
-        from ..methods import load_plan, parse_method
+        from ..methods import as_layer_methods, parse_method
 
         object.__setattr__(self, "methods", resolve_methods(self.methods))
         if self.task not in TASKS:
@@ -110,7 +110,7 @@ class RecallConfig:
                 raise LeapQuantError(f"recall: {name} must be >= 1, got {getattr(self, name)}")
         # a saved layer plan (`leapquant calibrate --out PLAN.json`) is named by its file
         configs = {
-            m: load_plan(m.strip()) if m.strip().endswith(".json") else parse_method(m)
+            m: as_layer_methods(m) if m.strip().endswith(".json") else parse_method(m)
             for m in ("fp32", *self.methods)
         }
         object.__setattr__(self, "_configs", configs)
@@ -219,6 +219,7 @@ def evaluate_recall(
     """
 
     from ..integrations import unpatch
+    from ..methods import LayerPlan
     from .model_eval import stdlib_text
 
     rows = ("fp32", *config.methods)
@@ -250,7 +251,7 @@ def evaluate_recall(
             m: {
                 "bytes_per_element": config.config_of(m).bytes_per_element(128, 128),
                 "window": config.config_of(m).window,
-                **({"plan": config.config_of(m).name} if m.strip().endswith(".json") else {}),
+                **({"plan": config.config_of(m).name} if isinstance(config.config_of(m), LayerPlan) else {}),
             }
             for m in rows
         },

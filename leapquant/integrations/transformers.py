@@ -189,7 +189,7 @@ class _RowGroups:
         be captured (a host synchronisation somewhere) stays eager.
         """
         inputs = (q, k, v, g, beta)
-        if not self._chunk_graphable(q):
+        if not 1 < q.shape[1] <= _CHUNK_GRAPH_MAX_TOKENS or not self._chunk_graphable(q):
             return self._eager_chunk(*inputs, use_qk_l2norm)
         key = (tuple((x.shape, x.dtype, x.device) for x in inputs), use_qk_l2norm)
         if key in self._chunk_uncapturable:
@@ -223,11 +223,10 @@ class _RowGroups:
         )
 
     def _chunk_graphable(self, q: torch.Tensor) -> bool:
+        """Whether every state of these rows can run inside the layer's chunk graph (CUDA, graphs on)."""
         from .backends import DequantizedState, KernelState, NativeState
 
-        if not (self.graphs and q.is_cuda and 1 < q.shape[1] <= _CHUNK_GRAPH_MAX_TOKENS):
-            return False
-        if torch.cuda.is_current_stream_capturing():
+        if not (self.graphs and q.is_cuda) or torch.cuda.is_current_stream_capturing():
             return False
         for st in self.states:
             # the reference keeps its window position on the host; stochastic rounding draws host-seeded noise
