@@ -418,6 +418,44 @@ def test_chunk_graph_bookkeeping(monkeypatch):
     assert {key[0][0][0][1] for key in seen} == {2, 3, 5, 6, 7}
 
 
+@pytest.mark.parametrize("methods", [["int8"], ["fp32", "int8"]], ids=["one-group", "two-groups"])
+def test_step_outputs_in_reused_buffers_are_copied_out_in_time(monkeypatch, methods):
+    """A replayed KernelState step returns its graph's output buffer, which its next step overwrites. Each
+    state here returns one reused buffer per step, as a replay does: multi-token calls and decode steps
+    must still give an ordinary run's logits (each step's output copied out before the next step)."""
+    from transformers import DynamicCache
+
+    import leapquant.integrations.backends as backends
+
+    def run(reuse: bool):
+        model = tiny_model("qwen3_5", d=16)
+        ids = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(5))
+        cache = DynamicCache(config=model.config)
+        patched = leapquant.patch(model, methods, graphs=False)
+        out, s = [model(ids[:, :4], past_key_values=cache, use_cache=True).logits], 4
+        for n in (5, 1, 1, 3, 1):
+            out.append(model(ids[:, s : s + n], past_key_values=cache, use_cache=True).logits)
+            s += n
+        patched.unpatch()
+        return torch.cat(out, 1)
+
+    want = run(reuse=False)
+    buffers = {}
+    for cls in (backends.NativeState, backends.DequantizedState):
+        original = cls.step
+
+        def step(self, *args, _original=original, **kwargs):
+            o = _original(self, *args, **kwargs)
+            buf = buffers.setdefault(id(self), torch.empty_like(o))
+            buf.copy_(o)
+            return buf
+
+        monkeypatch.setattr(cls, "step", step)
+    got = run(reuse=True)
+    assert buffers  # the stand-in ran
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize(
     ("method", "backend", "capturable"),
     [

@@ -169,16 +169,23 @@ class _RowGroups:
         self._own_capture = False
 
     def step(self, q, k, v, g, beta, use_qk_l2norm: bool) -> torch.Tensor:
+        """One token: ``o [B, HV, V]`` fp32. It may be a state's reused output buffer (a replayed
+        :class:`KernelState` step), which the next step overwrites: copy it out before then."""
         if q.is_cuda and not self._own_capture and torch.cuda.is_current_stream_capturing():
             self._check_capturable()
+        if len(self.states) == 1:  # no slicing, no concatenation: host time is a decode step's cost
+            return self.states[0].step(q, k, v, g, beta, use_qk_l2norm)
         outs = []
         for i, st in enumerate(self.states):
             rows = slice(i * self.size, (i + 1) * self.size)
             outs.append(st.step(q[rows], k[rows], v[rows], g[rows], beta[rows], use_qk_l2norm))
         return torch.cat(outs)
 
-    def step_chunk(self, q, k, v, g, beta, use_qk_l2norm: bool) -> torch.Tensor:
-        """``T`` tokens (inputs ``[B, T, HV, ...]``) through the states one after another: ``[B, T, HV, V]``.
+    def step_chunk(
+        self, q, k, v, g, beta, use_qk_l2norm: bool, out_dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
+        """``T`` tokens (inputs ``[B, T, HV, ...]``) through the states one after another: ``[B, T, HV, V]``
+        in ``out_dtype`` (the outputs are copied out of the states' buffers once, converted on the way).
 
         A multi-token call on an existing state (chunked prefill, assisted decoding, the recall evaluator's
         context) is ``T`` steps of a few launches each, bound by host work. On CUDA with graphs on, the
@@ -190,19 +197,19 @@ class _RowGroups:
         """
         inputs = (q, k, v, g, beta)
         if not 1 < q.shape[1] <= _CHUNK_GRAPH_MAX_TOKENS or not self._chunk_graphable(q):
-            return self._eager_chunk(*inputs, use_qk_l2norm)
+            return self._eager_chunk(*inputs, use_qk_l2norm, out_dtype)
         key = (tuple((x.shape, x.dtype, x.device) for x in inputs), use_qk_l2norm)
         if key in self._chunk_uncapturable:
-            return self._eager_chunk(*inputs, use_qk_l2norm)
+            return self._eager_chunk(*inputs, use_qk_l2norm, out_dtype)
         entry = self._chunk_graphs.get(key)
         if entry is None:
             if key not in self._chunk_seen:
                 self._chunk_seen.add(key)
-                return self._eager_chunk(*inputs, use_qk_l2norm)
+                return self._eager_chunk(*inputs, use_qk_l2norm, out_dtype)
             entry = self._capture_chunk(inputs, use_qk_l2norm)
             if entry is False:
                 self._chunk_uncapturable.add(key)
-                return self._eager_chunk(*inputs, use_qk_l2norm)
+                return self._eager_chunk(*inputs, use_qk_l2norm, out_dtype)
             if len(self._chunk_graphs) >= _CHUNK_GRAPHS_KEPT:  # each graph holds its own memory pool
                 evicted = next(iter(self._chunk_graphs))  # the least recently replayed
                 del self._chunk_graphs[evicted]
@@ -214,13 +221,19 @@ class _RowGroups:
         for dst, src in zip(static_in, inputs, strict=True):
             dst.copy_(src)
         graph.replay()
-        return static_out.clone()  # the next replay overwrites static_out
+        return static_out.to(out_dtype, copy=True)  # the next replay overwrites static_out
 
-    def _eager_chunk(self, q, k, v, g, beta, use_qk_l2norm: bool) -> torch.Tensor:
-        steps = range(q.shape[1])
-        return torch.stack(
-            [self.step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], use_qk_l2norm) for t in steps], 1
-        )
+    def _eager_chunk(
+        self, q, k, v, g, beta, use_qk_l2norm: bool, out_dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
+        # each step's output is copied out before the next step, which may overwrite its buffer
+        out = None
+        for t in range(q.shape[1]):
+            o = self.step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], use_qk_l2norm)
+            if out is None:
+                out = o.new_empty((o.shape[0], q.shape[1], *o.shape[1:]), dtype=out_dtype)
+            out[:, t] = o
+        return out
 
     def _chunk_graphable(self, q: torch.Tensor) -> bool:
         """Whether every state of these rows can run inside the layer's chunk graph (CUDA, graphs on)."""
@@ -356,7 +369,7 @@ class _PatchedLayer:
             ):
                 groups.select_rows(rows)
             groups.handle_seen = initial_state
-        out = groups.step_chunk(query, key, value, g, beta, use_qk_l2norm_in_kernel).to(query.dtype)
+        out = groups.step_chunk(query, key, value, g, beta, use_qk_l2norm_in_kernel, out_dtype=query.dtype)
         return out, _row_handle(query.shape[0], query.device)
 
 
