@@ -166,7 +166,7 @@ def main() -> None:
         br = 1 << max(0, rank - 1).bit_length()
         consts = dict(HV=32, K=128, V=128, P=16, R=rank, BV=bv, BR=br, BP=16, ITERS=1, RESIDUAL=2,
                       SMOOTH=True, VECTOR_DECAY=decay, REC16=True, TOKEN_SCRATCH=scratch,
-                      PAGED=False)  # fmt: skip
+                      PAGED=False, LS=False)  # fmt: skip
         usage = resources(cc.close_kernel, close_ptrs, scalars, consts, warps, maxnreg)
         kind = "vector" if decay else "scalar"
         print(f"chunked close, r={rank}, {kind} decay, BV={bv}, {warps} warps, maxnreg {maxnreg}, "
@@ -174,7 +174,8 @@ def main() -> None:
     boundary_ptrs = dict(common, slots="*i32", dense="*fp32")
     for mode in (cc.MODE_LOAD, cc.MODE_MATERIALIZE):
         consts = dict(HV=32, K=128, V=128, P=16, R=4, BV=32, BR=4, BP=16, MODE=mode, DENSE_KV=True, ITERS=8,
-                      RESIDUAL=2, SMOOTH=True, VECTOR_DECAY=False, REC16=True, PAGED=False)  # fmt: skip
+                      RESIDUAL=2, SMOOTH=True, VECTOR_DECAY=False, REC16=True, PAGED=False,
+                      LS=False)  # fmt: skip
         usage = resources(cc.boundary_kernel, boundary_ptrs, scalars, consts, 4)
         print(f"boundary kernel, {'load' if mode == cc.MODE_LOAD else 'materialize'}, 4 warps: {usage}")
     cuda_closes()

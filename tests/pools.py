@@ -8,7 +8,8 @@ from leapquant.ops import PoolConfig
 
 
 def pool_config(heads, d_k=128, d_v=128, *, window=16, compensators=4, smoothing=True, residual="int8",
-                records=None, decay="scalar", power_iters=1) -> PoolConfig:  # fmt: skip
+                records=None, decay="scalar", power_iters=1, ls=False) -> PoolConfig:  # fmt: skip
     method = MethodConfig(codec=residual, window=window, compensators=compensators, smoothing=smoothing,
-                          record_precision=records, power_iters=power_iters)  # fmt: skip
+                          record_precision=records, power_iters=power_iters,
+                          least_squares_scales=ls)  # fmt: skip
     return PoolConfig(method, heads=heads, d_k=d_k, d_v=d_v, decay=decay)

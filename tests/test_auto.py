@@ -223,3 +223,12 @@ def test_calibrate_cli_errors_exit_2_with_one_line(extra, match, capsys):
     assert main(["calibrate", *extra]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("leapquant: error:") and match in err and "\n" not in err
+
+
+def test_calibration_measures_the_least_squares_quantizer():
+    """``+ls`` candidates are measured with the scales they store: each channel's least-squares scale
+    leaves less fresh error than its max scale, on both layers."""
+    for a, k, b, v in (SHORT, LONG):
+        plain, _ = boundary_errors(pm("int4/w16+ct2+smooth"), a, k, b, v)
+        fitted, _ = boundary_errors(pm("int4/w16+ct2+smooth+ls"), a, k, b, v)
+        assert (fitted < plain).all(), (fitted, plain)

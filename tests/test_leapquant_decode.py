@@ -220,6 +220,51 @@ def test_prefill_handoff_codes_are_bit_exact(residual, spread):
         assert torch.equal(tensor.view(torch.uint8), expected.view(torch.uint8)), name
 
 
+@pytest.mark.parametrize(
+    ("residual", "rank", "smooth"),
+    [
+        pytest.param("int4", 0, False, id="int4"),
+        pytest.param("int8", 0, False, id="int8"),
+        pytest.param("int4", 4, True, id="int4-r4-smooth"),
+        pytest.param("int6", 2, True, id="int6-r2-smooth"),
+    ],
+)
+def test_least_squares_scales_in_the_kernel_close(residual, rank, smooth):
+    """``+ls``: the kernels' boundary keeps the format's codes and stores each value channel's
+    least-squares scale, as the reference does (to fp32 summation order), both at the prefill hand-off and
+    after window closes; the scales differ from the max scales, and the state is closer to the input."""
+    cfg = pool_config(heads=2, d_k=K, d_v=V, window=4, compensators=rank, smoothing=smooth, residual=residual,
+                      ls=True)  # fmt: skip
+    plain = pool_config(heads=2, d_k=K, d_v=V, window=4, compensators=rank, smoothing=smooth,
+                        residual=residual)  # fmt: skip
+    gen = torch.Generator(device=DEVICE).manual_seed(5 + rank)
+    states = torch.randn(3, 2, K, V, generator=gen, device=DEVICE) * torch.rand(3, 2, 1, V, generator=gen,
+                                                                                device=DEVICE)  # fmt: skip
+    slots = torch.tensor([4, 0, 2], dtype=torch.int32, device=DEVICE)
+    pools = {b: LeapQuantPool.allocate(cfg, 5, DEVICE) for b in ("triton", "reference")}
+    pools["max"] = LeapQuantPool.allocate(plain, 5, DEVICE)
+    for b, pool in pools.items():
+        load_states(pool, slots, states, backend="triton" if b == "max" else b)
+    tri, ref, mx = (pools[b].tensors for b in ("triton", "reference", "max"))
+    if rank == 0:  # no fitted tokens: the codes come from the same values, bit for bit
+        assert torch.equal(tri["payload"].view(torch.uint8), ref["payload"].view(torch.uint8))
+        assert torch.equal(tri["payload"].view(torch.uint8), mx["payload"].view(torch.uint8))
+    used = slots.long()
+    # with tokens, the fit's fp32 summation order moves the residual (and so its scales) slightly
+    assert torch.allclose(tri["scale"][used], ref["scale"][used], rtol=2e-6 if rank == 0 else 2e-3, atol=0)
+    assert not torch.equal(tri["scale"][used], mx["scale"][used])
+    back = {b: materialize_states(p, slots, backend="triton") for b, p in pools.items()}
+    assert rel(back["triton"], states) < rel(back["max"], states)
+    # several windows: the kernel close and the reference close stay together
+    for t in range(9):
+        x = tokens("gdn", 3, 2, 2, gen)
+        outs = {b: leapquant_decode(pools[b], slots, *x, backend=b) for b in ("triton", "reference")}
+        assert rel(outs["triton"], outs["reference"]) < 1e-2, t
+    assert pools["triton"].pos.tolist() == pools["reference"].pos.tolist()
+    dense = {b: materialize_states(pools[b], slots, backend=b) for b in ("triton", "reference")}
+    assert rel(dense["triton"], dense["reference"]) < 1e-2
+
+
 def test_prefill_handoff_round_trips():
     cfg = pool_config(heads=2, d_k=K, d_v=V, window=4, compensators=4, smoothing=True, residual="int8")
     gen = torch.Generator(device=DEVICE).manual_seed(3)

@@ -6,8 +6,10 @@ import pytest
 import torch
 
 from leapquant.errors import LeapQuantError
+from leapquant.formats import get_format
 from leapquant.methods.compensators import fit_compensators, orthonormalize
 from leapquant.methods.config import MethodConfig, parse_method
+from leapquant.methods.scale_fit import least_squares_fake_quantize
 from leapquant.methods.smoothing import SMOOTHING_FLOOR, smoothing_scales
 from leapquant.methods.window import WindowedState
 from leapquant.recurrences.records import Records, exact_recurrence
@@ -188,6 +190,8 @@ def test_record_precision_is_rounded_as_stored():
         ("bf16/w16", "bf16/w16"),
         ("nvfp4/w8+ct2+svd+rec32+sr", "nvfp4/w8+ct2+svd+rec32+sr"),
         ("kvquant-int6/w16", "kvquant-int6/w16"),
+        ("int4/w16+ls+ct8+smooth", "int4/w16+ct8+smooth+ls"),
+        ("int8+ls", "int8+ls"),
     ],
 )
 def test_method_names_round_trip(name, canonical):
@@ -204,6 +208,9 @@ def test_method_names_round_trip(name, canonical):
         ("int8/w0", "window must be >= 1"),
         ("int8/w16+ct4+fast", r"unknown option \+fast"),
         ("int8+svd", "need compensator tokens"),
+        ("fp8-e4m3/w16+ls", r"\+ls .*integer format"),
+        ("int4-g32/w16+ls", r"\+ls .*one scale per\s+value channel"),
+        ("bf16/w16+ls", r"\+ls .*integer format"),
     ],
 )
 def test_bad_method_names(name, message):
@@ -217,3 +224,53 @@ def test_leapquant_int8_costs_1_19_bytes_per_element():
     assert cfg.bytes_per_element(128, 128) == pytest.approx(1.1875)
     assert round(cfg.bytes_per_element(128, 128), 2) == 1.19
     assert cfg.record_buffer_bytes(128, 128) == 16 * (4 * 128 + 2 * 256) + 4
+
+
+@pytest.mark.parametrize("fmt_name", ["int8", "int6", "int4"])
+@pytest.mark.parametrize(("d_k", "d_v"), [(32, 16), (7, 5), (128, 3)], ids=["32x16", "odd-7x5", "128x3"])
+def test_least_squares_scales_keep_codes_and_never_add_energy(fmt_name, d_k, d_v):
+    """``+ls`` keeps the format's codes, stores one fp32 scale per value channel, never makes a channel
+    longer than it was (the projection onto its codes), and leaves no more error than the max scale."""
+    fmt = get_format(fmt_name)
+    g = torch.Generator().manual_seed(d_k * 31 + d_v)
+    x = torch.randn(3, d_k, d_v, generator=g, dtype=torch.float64) * torch.rand(3, 1, d_v, generator=g) * 4
+    x[0, :, 0] = 0.0  # a zero channel keeps zero codes
+    y = least_squares_fake_quantize(fmt, x)
+    codes = fmt.quantize(x)["codes"].to(torch.float64)
+    assert y.dtype == x.dtype and y.shape == x.shape
+    assert torch.equal(y == 0, codes == 0) and torch.equal(y[0, :, 0], torch.zeros(d_k, dtype=x.dtype))
+    scale = (y * codes).sum(-2) / (codes * codes).sum(-2).clamp_min(1)  # exact: y = codes * scale
+    assert torch.equal(y, codes * scale[..., None, :] + 0.0)
+    assert torch.equal(scale, scale.float().double())  # fp32-representable
+    assert (y.norm(dim=-2) <= x.norm(dim=-2) * (1 + 1e-6)).all()  # fp32 rounding of the scale only
+    plain = fmt.fake_quantize(x)
+    assert ((y - x).norm(dim=-2) <= (plain - x).norm(dim=-2) * (1 + 1e-6) + 1e-300).all()
+    assert ((y - x).norm() < (plain - x).norm()) or d_k < 8
+
+
+def test_least_squares_scales_stop_a_non_forgetting_head_from_diverging():
+    """A head that never forgets (decay 1) and writes keys in a 4-dimensional subspace of 32: nothing ever
+    corrects the other 28 key directions, so each boundary's rounding error stays there. With max scales
+    the error's energy feeds the next scale and the state's error compounds past 10x the state; with
+    least-squares scales it stays bounded."""
+    streams, d_k, d_v, sub, steps = 4, 32, 16, 4, 1536
+    g = torch.Generator().manual_seed(11)
+    basis = torch.linalg.qr(torch.randn(streams, d_k, sub, generator=g, dtype=torch.float64))[0]
+    coords = torch.randn(streams, steps, sub, generator=g, dtype=torch.float64)
+    keys = torch.nn.functional.normalize(torch.einsum("bks,bts->btk", basis, coords), dim=-1)
+    values = torch.randn(streams, steps, d_v, generator=g, dtype=torch.float64)
+    start = torch.randn(streams, d_k, d_v, generator=g, dtype=torch.float64)
+    errors = {}
+    for name in ("int4/w2", "int4/w2+ls"):
+        st = WindowedState(parse_method(name), streams, d_k, d_v, dtype=torch.float64)
+        st.load(start)
+        exact = start.clone()
+        for t in range(steps):
+            k, v, a = keys[:, t], values[:, t], torch.ones(streams, d_k, dtype=torch.float64)
+            u = v - torch.einsum("bkv,bk->bv", exact, 0.5 * k)
+            exact = exact + k[:, :, None] * u[:, None, :]
+            st.step(a, k, 0.5 * k, v, k)
+        rel = (st.materialize() - exact).flatten(1).norm(dim=1) / exact.flatten(1).norm(dim=1)
+        errors[name] = float(rel.max())
+    assert errors["int4/w2"] > 10, errors
+    assert errors["int4/w2+ls"] < 1.5, errors

@@ -43,6 +43,7 @@ from ..errors import LeapQuantError
 from .compensators import fit_compensators
 from .config import POLICY_NAMES, MethodConfig, parse_method
 from .layer_plan import LayerPlan
+from .scale_fit import boundary_fake_quantize
 from .smoothing import smoothing_scales
 
 __all__ = [
@@ -120,7 +121,6 @@ def boundary_errors(
     err2 = torch.zeros(s, dtype=torch.float64)
     ref2 = torch.zeros(s, dtype=torch.float64)
     shape = torch.zeros(s, d_k, d_k, dtype=torch.float64)
-    codec = cfg.format
     for i in range(t):
         u = v[:, i] - torch.einsum("skv,sk->sv", state, b[:, i])
         state = a[:, i, :, None] * state + k[:, i, :, None] * u[:, None, :]
@@ -136,7 +136,7 @@ def boundary_errors(
             warm, comp = cu, ck @ cu.transpose(-1, -2)
             residual = state - comp
         smooth = smoothing_scales(residual)[..., None] if cfg.smoothing else 1.0
-        eps = smooth * codec.fake_quantize(residual / smooth) + comp - state
+        eps = smooth * boundary_fake_quantize(cfg, residual / smooth) + comp - state
         err2 += eps.pow(2).sum((-1, -2))
         ref2 += state.pow(2).sum((-1, -2))
         shape += eps @ eps.transpose(-1, -2)

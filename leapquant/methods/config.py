@@ -8,6 +8,8 @@ A method name is ``CODEC[/wP][+OPTION]...``:
 * ``+ctR`` keeps R compensator tokens in fp16 (``+svd`` fits them by exact SVD instead of power iteration,
   ``+itN`` sets N power iterations per window boundary);
 * ``+smooth`` applies residual smoothing;
+* ``+ls`` refits each value channel's scale to its codes by least squares, so that a boundary never adds
+  energy to the state (:mod:`leapquant.methods.scale_fit`; integer formats);
 * ``+rec16`` / ``+recbf16`` / ``+rec32`` choose the record-buffer precision (default: fp16, or full precision
   when the state itself is full precision);
 * ``+sr`` rounds the state stochastically.
@@ -78,7 +80,7 @@ BASELINE_METHODS = (
 POLICY_NAMES = ("leapquant-auto",)
 
 RECORD_PRECISIONS = {"fp32": 4, "fp16": 2, "bf16": 2}
-_OPTION = re.compile(r"^(ct(\d+)|it(\d+)|svd|smooth|sr|rec(16|bf16|32))$")
+_OPTION = re.compile(r"^(ct(\d+)|it(\d+)|svd|smooth|ls|sr|rec(16|bf16|32))$")
 
 
 def resolve_codec(name: str, *, stochastic: bool = False) -> StateFormat:
@@ -104,6 +106,7 @@ class MethodConfig:
         power_iters: power iterations at each window boundary.
         cold_iters: power iterations when a state is first loaded (prefill hand-off) or has no warm start.
         smoothing: residual smoothing of key rows (eq. 7).
+        least_squares_scales: refit each value channel's scale to its codes at every boundary (``+ls``).
         record_precision: ``"fp16"``, ``"bf16"`` or ``"fp32"`` for buffered keys and corrections
             (decays are always kept in fp32); ``None`` picks fp16, or fp32 when the codec is lossless
             or the window is 1 (per-step: nothing is buffered).
@@ -118,6 +121,7 @@ class MethodConfig:
     power_iters: int = 1
     cold_iters: int = 8
     smoothing: bool = False
+    least_squares_scales: bool = False
     record_precision: str | None = None
     compensator_precision: str = "fp16"
     stochastic: bool = False
@@ -142,6 +146,10 @@ class MethodConfig:
                 f"got {self.compensator_precision!r}"
             )
         self.format  # noqa: B018 -- resolve the codec now so an unknown name fails at construction
+        if self.least_squares_scales:
+            from .scale_fit import check_scale_fit
+
+            check_scale_fit(self.format, self.codec)
 
     @cached_property
     def format(self) -> StateFormat:
@@ -168,6 +176,8 @@ class MethodConfig:
                 parts.append(f"it{self.power_iters}")
         if self.smoothing:
             parts.append("smooth")
+        if self.least_squares_scales:
+            parts.append("ls")
         if self.record_precision is not None:
             parts.append({"fp32": "rec32", "fp16": "rec16", "bf16": "recbf16"}[self.record_precision])
         if self.stochastic:
@@ -226,8 +236,9 @@ def parse_method(name: str) -> MethodConfig:
         m = _OPTION.match(opt)
         if not m:
             raise LeapQuantError(
-                f"method {name!r}: unknown option +{opt} (use +ctR, +svd, +itN, +smooth, +rec16, +recbf16, "
-                "+rec32, +sr)" + did_you_mean(opt, ("smooth", "svd", "sr", "rec16", "recbf16", "rec32"))
+                f"method {name!r}: unknown option +{opt} (use +ctR, +svd, +itN, +smooth, +ls, +rec16, "
+                "+recbf16, +rec32, +sr)"
+                + did_you_mean(opt, ("smooth", "ls", "svd", "sr", "rec16", "recbf16", "rec32"))
             )
         if m.group(2):
             fields["compensators"] = int(m.group(2))
@@ -237,6 +248,8 @@ def parse_method(name: str) -> MethodConfig:
             fields["fit"] = "svd"
         elif opt == "smooth":
             fields["smoothing"] = True
+        elif opt == "ls":
+            fields["least_squares_scales"] = True
         elif opt == "sr":
             fields["stochastic"] = True
         else:

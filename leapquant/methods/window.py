@@ -24,6 +24,7 @@ from ..checks import check_count
 from ..errors import LeapQuantError
 from .compensators import fit_compensators
 from .config import MethodConfig
+from .scale_fit import boundary_fake_quantize
 from .smoothing import smoothing_scales
 
 __all__ = ["WindowedState"]
@@ -117,7 +118,7 @@ class WindowedState:
             residual = residual / self.smooth[..., None]
         else:
             self.smooth = None
-        self.residual = self.codec.fake_quantize(residual, generator=self.generator)
+        self.residual = boundary_fake_quantize(cfg, residual, generator=self.generator)
         self.quantizations += 1
 
     def take(self, heads: torch.Tensor) -> None:

@@ -52,7 +52,7 @@ SHIFT_ORDER = ("payload", "scale", "smooth", "comp_k", "comp_u", "rec_g", "rec_k
 def pool_unsupported(method: MethodConfig) -> str | None:
     """Why no pool (and no kernel) runs ``method`` (``None``: one does).
 
-    Pools run ``CODEC/wP[+ctR][+itN][+smooth][+rec16|+rec32]`` with ``CODEC`` a residual format
+    Pools run ``CODEC/wP[+ctR][+itN][+smooth][+ls][+rec16|+rec32]`` with ``CODEC`` a residual format
     (:data:`~leapquant.formats.residual.RESIDUAL_FORMATS`), ``P >= 2`` and at most 16 fp16 compensator
     tokens fitted by power iteration; per-step methods run on ``PerStepPool``.
     """

@@ -81,7 +81,8 @@ def _exact_scales(b_x, qmax):
 
 @triton.jit
 def _store_rows(b_rows, b_c, b_rc, c_fast, payload, scale_v, i_s, o_v, qmax, K: tl.constexpr, V: tl.constexpr,
-                BV: tl.constexpr, RESIDUAL: tl.constexpr, SMOOTH: tl.constexpr):  # fmt: skip
+                BV: tl.constexpr, RESIDUAL: tl.constexpr, SMOOTH: tl.constexpr,
+                LS: tl.constexpr):  # fmt: skip
     """Smooth (divide by ``b_c``, ``b_rc = 1 / b_c``) and quantize value rows ``o_v`` of a residual into
     the pool's payload and scales; per-value-channel symmetric scales reduce along the keys of each row.
 
@@ -90,7 +91,8 @@ def _store_rows(b_rows, b_c, b_rc, c_fast, payload, scale_v, i_s, o_v, qmax, K: 
     Then every element whose code can be non-zero (quotient >= 2^-10, the smallest e4m3 midpoint) has a
     normal dividend >= 2^-100, so its quotients are correctly rounded, the row maxima included; the rest
     stay below 2^-10 and round to zero either way.  Otherwise (tiny or huge or non-finite rows) the chunk
-    is divided again with ``div_rn``.
+    is divided again with ``div_rn``.  ``LS`` (integer codes): each row's stored scale is then refitted to
+    its codes, ``<c, x> / <c, c>`` (``methods.scale_fit``; a row of zero codes keeps its max scale).
     """
     o_k = tl.arange(0, K)
     p_rows = payload + i_s * V * K + o_v[:, None] * K + o_k[None, :]
@@ -114,12 +116,18 @@ def _store_rows(b_rows, b_c, b_rc, c_fast, payload, scale_v, i_s, o_v, qmax, K: 
                 b_xs = tl.math.div_rn(b_rows, b_c[None, :])
                 b_scale, fast = _exact_scales(b_xs, qmax)
             b_x = tl.math.div_rn(b_xs, b_scale[:, None])
-        tl.store(scale_v + i_s * V + o_v, b_scale)
         if RESIDUAL == 3:
+            tl.store(scale_v + i_s * V + o_v, b_scale)
             b_x = e4m3_grid(tl.minimum(tl.maximum(b_x, -qmax), qmax))
             tl.store(p_rows, b_x.to(tl.float8e4nv))
         else:
             b_x = tl.minimum(tl.maximum(rint(b_x), -qmax), qmax).to(tl.int32)
+            if LS:
+                b_cf = b_x.to(tl.float32)
+                b_den = tl.sum(b_cf * b_cf, 1)
+                b_fit = tl.math.div_rn(tl.sum(b_cf * b_xs, 1), tl.where(b_den > 0, b_den, 1.0))
+                b_scale = tl.where((b_den > 0) & (b_fit > 0), b_fit, b_scale)
+            tl.store(scale_v + i_s * V + o_v, b_scale)
             if RESIDUAL == 2:
                 tl.store(p_rows, b_x.to(tl.int8))
             else:
@@ -284,7 +292,7 @@ def _requantize(
     p_tok, smooth_floor, qmax, K: tl.constexpr, V: tl.constexpr, P: tl.constexpr, R: tl.constexpr,
     BV: tl.constexpr, BR: tl.constexpr, BP: tl.constexpr, ITERS: tl.constexpr, RESIDUAL: tl.constexpr,
     SMOOTH: tl.constexpr, DENSE: tl.constexpr, DENSE_KV: tl.constexpr, WARM: tl.constexpr,
-    VECTOR_DECAY: tl.constexpr, REC16: tl.constexpr, TOKEN_SCRATCH: tl.constexpr,
+    VECTOR_DECAY: tl.constexpr, REC16: tl.constexpr, TOKEN_SCRATCH: tl.constexpr, LS: tl.constexpr,
 ):  # fmt: skip
     """Fit the tokens, smooth and quantize the state of head ``i_s`` into its own pool entries.
 
@@ -359,7 +367,9 @@ def _requantize(
                 b_rows = _minus_tokens(b_rows, b_qk, o_r, o_v, p_tok, R, V, False, True)
             else:
                 b_rows = _minus_tokens(b_rows, b_qk, o_r, o_v, comp_u + i_s * R * V, R, V, True, False)
-        _store_rows(b_rows, b_c, b_rc, c_fast, payload, scale_v, i_s, o_v, qmax, K, V, BV, RESIDUAL, SMOOTH)
+        _store_rows(
+            b_rows, b_c, b_rc, c_fast, payload, scale_v, i_s, o_v, qmax, K, V, BV, RESIDUAL, SMOOTH, LS
+        )
     tl.debug_barrier()  # every chunk has been rebuilt with the old token keys (and values, for the scratch)
     if R > 0:
         p_ck = comp_k + (i_s * R + o_r[:, None]) * K + o_k[None, :]
@@ -380,6 +390,7 @@ def close_kernel(
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, P: tl.constexpr, R: tl.constexpr, BV: tl.constexpr,
     BR: tl.constexpr, BP: tl.constexpr, ITERS: tl.constexpr, RESIDUAL: tl.constexpr, SMOOTH: tl.constexpr,
     VECTOR_DECAY: tl.constexpr, REC16: tl.constexpr, TOKEN_SCRATCH: tl.constexpr, PAGED: tl.constexpr,
+    LS: tl.constexpr,
 ):  # fmt: skip
     """Persistent: program ``pid`` closes list entries ``pid, pid + grid, ...`` (heads that just filled their
     window; ``BR``: ``R`` rounded up to a power of two; ``BP``: ``P`` rounded up, at least 16);
@@ -400,7 +411,7 @@ def close_kernel(
         _requantize(
             i_s, p_payload, b_end, b_col, b_w, b_khi, b_klo, P, p_payload, p_scale, p_smooth, p_comp_k,
             p_comp_u, p_rec_u, token_scratch + pid * R * V, smooth_floor, qmax, K, V, P, R, BV, BR, BP, ITERS,
-            RESIDUAL, SMOOTH, False, False, True, VECTOR_DECAY, REC16, TOKEN_SCRATCH,
+            RESIDUAL, SMOOTH, False, False, True, VECTOR_DECAY, REC16, TOKEN_SCRATCH, LS,
         )  # fmt: skip
         tl.store(p_pos + i_s, 0)
         tl.debug_barrier()  # the next head's first loads must not pass this head's last stores
@@ -413,7 +424,7 @@ def boundary_kernel(
     smooth_floor, qmax, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, P: tl.constexpr, R: tl.constexpr,
     BV: tl.constexpr, BR: tl.constexpr, BP: tl.constexpr, MODE: tl.constexpr, DENSE_KV: tl.constexpr,
     ITERS: tl.constexpr, RESIDUAL: tl.constexpr, SMOOTH: tl.constexpr, VECTOR_DECAY: tl.constexpr,
-    REC16: tl.constexpr, PAGED: tl.constexpr,
+    REC16: tl.constexpr, PAGED: tl.constexpr, LS: tl.constexpr,
 ):  # fmt: skip
     """One program per (sequence, head): ``MODE_LOAD`` quantizes ``dense`` into the slot with a cold-started
     fit; ``MODE_MATERIALIZE`` writes the slot's dense state at its current position into ``dense``."""
@@ -439,7 +450,7 @@ def boundary_kernel(
         _requantize(
             i_s, p_dense, b_0, b_0, b_0, b_0, b_0, 0, payload, scale_v, smooth, comp_k, comp_u, rec_u,
             comp_u, smooth_floor, qmax, K, V, P, R, BV, BR, BP, ITERS, RESIDUAL, SMOOTH, True, DENSE_KV,
-            False, VECTOR_DECAY, REC16, False,
+            False, VECTOR_DECAY, REC16, False, LS,
         )  # fmt: skip
         tl.store(pos + i_s, 0)
     else:

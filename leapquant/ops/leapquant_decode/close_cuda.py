@@ -36,6 +36,8 @@ def unsupported(cfg: PoolConfig) -> str | None:
         return f"head size d_k={cfg.d_k}, d_v={cfg.d_v} (the CUDA close is built for 128 x 128)"
     if not cfg.format.cuda_close:
         return f"residual {cfg.residual!r} (the CUDA close takes {', '.join(CUDA_CLOSE_RESIDUALS)})"
+    if cfg.method.least_squares_scales:
+        return "least-squares scales (+ls): the Triton close refits them, the CUDA close does not yet"
     if cfg.compensators > 4 and cfg.compensators != 8:
         # its products take tokens four at a time: 5 to 7 would leave a partial group of four
         return f"{cfg.compensators} compensator tokens (the CUDA close takes 0 to 4, or 8)"

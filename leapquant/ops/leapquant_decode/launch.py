@@ -247,7 +247,7 @@ def close_args(pool: LeapQuantPool) -> tuple[tuple, dict]:
     )  # fmt: skip
     shape = dict(HV=cfg.heads, K=cfg.d_k, V=cfg.d_v, P=cfg.window, R=cfg.compensators,
                  RESIDUAL=cfg.format.code, SMOOTH=cfg.smoothing, VECTOR_DECAY=cfg.decay == "vector",
-                 PAGED=pool.paged)  # fmt: skip
+                 PAGED=pool.paged, LS=cfg.method.least_squares_scales)  # fmt: skip
     return tensors, shape
 
 

@@ -16,6 +16,7 @@ import torch
 
 from ...formats import get_format
 from ...methods.compensators import orthonormalize, start_vectors
+from ...methods.scale_fit import least_squares_scales
 from ...methods.smoothing import smoothing_scales
 from ..pool import LeapQuantPool
 
@@ -192,6 +193,11 @@ def _compress(pool: LeapQuantPool, slot: int, state: torch.Tensor, warm: bool) -
     if cfg.has_scale:
         codes = stored["codes"].transpose(-1, -2)  # [HV, V, K]
         pool.scale[slot] = stored["scale"][..., 0, :]
+        if cfg.method.least_squares_scales:
+            values = stored["codes"].to(compute)
+            pool.scale[slot] = least_squares_scales(values, residual, stored["scale"].to(compute))[
+                ..., 0, :
+            ].to(torch.float32)
         if cfg.residual == "int4":
             pairs = codes.to(torch.int16).reshape(*codes.shape[:-1], -1, 2)
             codes = ((pairs[..., 0] & 0xF) | ((pairs[..., 1] & 0xF) << 4)).to(torch.uint8)

@@ -25,8 +25,8 @@ def per_step_unsupported(method: MethodConfig) -> str | None:
     """Why no per-step kernel runs ``method`` (``None``: ``PerStepPool`` does)."""
     if method.codec not in PER_STEP_RESIDUALS:
         return f"per-step kernels store {', '.join(PER_STEP_RESIDUALS)}, not {method.codec!r}"
-    if method.compensators or method.smoothing or method.stochastic:
-        return "per-step kernels take no compensators, smoothing or stochastic rounding"
+    if method.compensators or method.smoothing or method.stochastic or method.least_squares_scales:
+        return "per-step kernels take no compensators, smoothing, least-squares scales or stochastic rounding"
     return None
 
 
