@@ -319,14 +319,19 @@ def recall_card(r: dict) -> str:
         if w
         else "Trained from scratch."
     )
+    distances = (
+        f"{m['min_distance']} up to a maximum that grows to {m['max_distance']} over the first "
+        f"{100 * m['ramp']:.0f}% of\nthe run."
+        if m["ramp"] > 0
+        else f"{m['min_distance']} to {m['max_distance']} from the first step (no curriculum)."
+    )
     return f"""
 ## Recall training (`scripts/train_recall.py`)
 
 {start} {100 * m["recall_fraction"]:.0f}% of the {m["seq"]}-byte windows hold passkey and multi-query
 key-value examples (`leapquant.eval.recall_tasks`) planted in the training text, the others plain text; loss
 = next-byte loss + {m["answer_weight"]} x answer-byte loss. Planted distances log-uniform from
-{m["min_distance"]} up to a maximum that grows to {m["max_distance"]} over the first {100 * m["ramp"]:.0f}% of
-the run.
+{distances}
 
 FP32 exact-match recall (% of answers), saved bf16 weights, standard-library text, `leapquant recall`'s
 scorer, distances {", ".join(str(d) for d in r["eval_distances"])} tokens:
