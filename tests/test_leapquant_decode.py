@@ -258,11 +258,20 @@ def test_least_squares_scales_in_the_kernel_close(residual, rank, smooth):
     # several windows: the kernel close and the reference close stay together
     for t in range(9):
         x = tokens("gdn", 3, 2, 2, gen)
-        outs = {b: leapquant_decode(pools[b], slots, *x, backend=b) for b in ("triton", "reference")}
+        outs = {
+            b: leapquant_decode(p, slots, *x, backend="triton" if b == "max" else b) for b, p in pools.items()
+        }
         assert rel(outs["triton"], outs["reference"]) < 1e-2, t
     assert pools["triton"].pos.tolist() == pools["reference"].pos.tolist()
     dense = {b: materialize_states(pools[b], slots, backend=b) for b in ("triton", "reference")}
     assert rel(dense["triton"], dense["reference"]) < 1e-2
+    if residual == "int4":  # a refit moves INT4 scales by ~1%, far more than the two closes' drift
+
+        def drift(a, b):
+            return float(((a - b).abs() / b.abs()).median())
+
+        tri, ref, mx = (pools[b].tensors["scale"][used] for b in ("triton", "reference", "max"))
+        assert drift(tri, ref) < 1e-3 < drift(tri, mx), (drift(tri, ref), drift(tri, mx))
 
 
 def test_prefill_handoff_round_trips():

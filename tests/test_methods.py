@@ -274,3 +274,16 @@ def test_least_squares_scales_stop_a_non_forgetting_head_from_diverging():
         errors[name] = float(rel.max())
     assert errors["int4/w2"] > 10, errors
     assert errors["int4/w2+ls"] < 1.5, errors
+
+
+def test_least_squares_scales_of_huge_and_non_finite_channels():
+    """Channels near the fp32 range keep finite refitted scales (the fit is a ratio of quotients, no sum
+    overflows); a channel holding a NaN keeps its max scale rather than a NaN one."""
+    fmt = get_format("int8")
+    x = torch.randn(2, 128, 4, generator=torch.Generator().manual_seed(3)) * 1e36
+    y = least_squares_fake_quantize(fmt, x)
+    assert torch.isfinite(y).all() and (y.abs().amax(dim=-2) > 0).all()
+    x[0, 5, 1] = float("nan")
+    y = least_squares_fake_quantize(fmt, x)
+    assert torch.equal(y[1], least_squares_fake_quantize(fmt, x[1:])[0])
+    assert torch.isfinite(y[0, :, [0, 2, 3]]).all()

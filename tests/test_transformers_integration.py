@@ -422,12 +422,13 @@ def test_chunk_graph_bookkeeping(monkeypatch):
 def test_step_outputs_in_reused_buffers_are_copied_out_in_time(monkeypatch, methods):
     """A replayed KernelState step returns its graph's output buffer, which its next step overwrites. Each
     state here returns one reused buffer per step, as a replay does: multi-token calls and decode steps
-    must still give an ordinary run's logits (each step's output copied out before the next step)."""
+    must still give an ordinary run's logits (each step's output copied out before the next step). One
+    method group is the case that matters (two are concatenated, which copies)."""
     from transformers import DynamicCache
 
     import leapquant.integrations.backends as backends
 
-    def run(reuse: bool):
+    def run():
         model = tiny_model("qwen3_5", d=16)
         ids = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(5))
         cache = DynamicCache(config=model.config)
@@ -439,7 +440,7 @@ def test_step_outputs_in_reused_buffers_are_copied_out_in_time(monkeypatch, meth
         patched.unpatch()
         return torch.cat(out, 1)
 
-    want = run(reuse=False)
+    want = run()
     buffers = {}
     for cls in (backends.NativeState, backends.DequantizedState):
         original = cls.step
@@ -451,7 +452,7 @@ def test_step_outputs_in_reused_buffers_are_copied_out_in_time(monkeypatch, meth
             return buf
 
         monkeypatch.setattr(cls, "step", step)
-    got = run(reuse=True)
+    got = run()
     assert buffers  # the stand-in ran
     assert torch.equal(got, want)
 

@@ -252,7 +252,7 @@ def run_methods(args: argparse.Namespace) -> int:
         )
     console().print(table)
     print("Record buffers: GDN keeps one decay value per record, KDA one per key channel.")
-    print("Grammar: CODEC[/wP][+ctR][+svd][+itN][+smooth][+rec16|+recbf16|+rec32][+sr]")
+    print("Grammar: CODEC[/wP][+ctR][+svd][+itN][+smooth][+ls][+rec16|+recbf16|+rec32][+sr]")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
         print(f"wrote {args.json}")

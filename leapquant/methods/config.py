@@ -8,8 +8,9 @@ A method name is ``CODEC[/wP][+OPTION]...``:
 * ``+ctR`` keeps R compensator tokens in fp16 (``+svd`` fits them by exact SVD instead of power iteration,
   ``+itN`` sets N power iterations per window boundary);
 * ``+smooth`` applies residual smoothing;
-* ``+ls`` refits each value channel's scale to its codes by least squares, so that a boundary never adds
-  energy to the state (:mod:`leapquant.methods.scale_fit`; integer formats);
+* ``+ls`` refits each value channel's scale to its codes by least squares, so that a boundary stores a
+  projection of what it quantizes (:mod:`leapquant.methods.scale_fit`; integer formats with one scale per
+  value channel: ``int8``, ``int6``, ``int4``);
 * ``+rec16`` / ``+recbf16`` / ``+rec32`` choose the record-buffer precision (default: fp16, or full precision
   when the state itself is full precision);
 * ``+sr`` rounds the state stochastically.
@@ -149,7 +150,7 @@ class MethodConfig:
         if self.least_squares_scales:
             from .scale_fit import check_scale_fit
 
-            check_scale_fit(self.format, self.codec)
+            check_scale_fit(self.format, self.name)
 
     @cached_property
     def format(self) -> StateFormat:

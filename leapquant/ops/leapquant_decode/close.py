@@ -92,7 +92,8 @@ def _store_rows(b_rows, b_c, b_rc, c_fast, payload, scale_v, i_s, o_v, qmax, K: 
     normal dividend >= 2^-100, so its quotients are correctly rounded, the row maxima included; the rest
     stay below 2^-10 and round to zero either way.  Otherwise (tiny or huge or non-finite rows) the chunk
     is divided again with ``div_rn``.  ``LS`` (integer codes): each row's stored scale is then refitted to
-    its codes, ``<c, x> / <c, c>`` (``methods.scale_fit``; a row of zero codes keeps its max scale).
+    its codes, ``s <c, q> / <c, c>`` with ``q = x / s`` (``methods.scale_fit``; a row of zero codes, or a
+    non-finite one, keeps its max scale).
     """
     o_k = tl.arange(0, K)
     p_rows = payload + i_s * V * K + o_v[:, None] * K + o_k[None, :]
@@ -121,12 +122,13 @@ def _store_rows(b_rows, b_c, b_rc, c_fast, payload, scale_v, i_s, o_v, qmax, K: 
             b_x = e4m3_grid(tl.minimum(tl.maximum(b_x, -qmax), qmax))
             tl.store(p_rows, b_x.to(tl.float8e4nv))
         else:
-            b_x = tl.minimum(tl.maximum(rint(b_x), -qmax), qmax).to(tl.int32)
-            if LS:
+            b_q = b_x
+            b_x = tl.minimum(tl.maximum(rint(b_q), -qmax), qmax).to(tl.int32)
+            if LS:  # the refit as a ratio of the quotients (|q| <= qmax): no sum can overflow
                 b_cf = b_x.to(tl.float32)
                 b_den = tl.sum(b_cf * b_cf, 1)
-                b_fit = tl.math.div_rn(tl.sum(b_cf * b_xs, 1), tl.where(b_den > 0, b_den, 1.0))
-                b_scale = tl.where((b_den > 0) & (b_fit > 0), b_fit, b_scale)
+                b_ratio = tl.math.div_rn(tl.sum(b_cf * b_q, 1), tl.where(b_den > 0, b_den, 1.0))
+                b_scale = tl.where((b_den > 0) & (b_ratio > 0), b_scale * b_ratio, b_scale)
             tl.store(scale_v + i_s * V + o_v, b_scale)
             if RESIDUAL == 2:
                 tl.store(p_rows, b_x.to(tl.int8))
