@@ -52,7 +52,7 @@ def least_squares_fake_quantize(
     """``dequantize`` of ``x [..., d_k, d_v]`` under ``fmt``'s codes with least-squares channel scales.
 
     The codes are ``fmt``'s own (max scale, round to nearest or stochastic); each value channel's scale is
-    then ``<c, x> / <c, c>`` over its keys, rounded to fp32 (a channel of zero codes keeps scale 1).
+    then refitted by :func:`least_squares_scales`.
     Returns a tensor of ``x``'s dtype and shape.
     """
     values, scale = fmt._values(x, generator)  # codes as floats [..., d_k, d_v], scales [..., 1, d_v]

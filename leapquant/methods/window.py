@@ -71,7 +71,6 @@ class WindowedState:
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise LeapQuantError(f"WindowedState: dtype must be a floating-point torch dtype, got {dtype}")
         self.config = config
-        self.codec = config.format
         self.batch, self.d_k, self.d_v = batch, d_k, d_v
         self.dtype, self.device = dtype, torch.device(device)
         self.generator = generator
