@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
+import sys
 import time
 
 import torch
 
+from leapquant.eval.provenance import provenance
 from leapquant.methods import WindowedState, parse_method
 from leapquant.traces import load_trace
 
@@ -51,7 +54,9 @@ def main() -> None:
             print(t + 1, f"{time.time() - start:.0f}s", {m: c[-1][1] for m, c in curves.items()}, flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"trace": args.trace, "streams": streams, "tokens": args.tokens, "curves": curves}, f)
+            command = shlex.join(["python", "scripts/long_state_error.py", *sys.argv[1:]])
+            report = {"trace": args.trace, "streams": streams, "tokens": args.tokens, "curves": curves}
+            json.dump({**report, "provenance": {**provenance(), "command": command}}, f)
 
 
 if __name__ == "__main__":
