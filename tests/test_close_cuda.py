@@ -22,10 +22,10 @@ from leapquant.ops.leapquant_decode.close_cuda import SOURCE, compile_options, s
 GPU = torch.cuda.is_available()
 
 
-def config(family="gdn", residual="int8", window=16, rank=4, smooth=True, iters=1, heads=32, d=128):
+def config(family="gdn", residual="int8", window=16, rank=4, smooth=True, iters=1, heads=32, d=128, ls=False):
     return pool_config(heads=heads, d_k=d, d_v=d, window=window, compensators=rank, smoothing=smooth,
                       residual=residual, decay="vector" if family == "kda" else "scalar",
-                      power_iters=iters)  # fmt: skip
+                      power_iters=iters, ls=ls)  # fmt: skip
 
 
 def test_unsupported_pools_say_why():
@@ -35,6 +35,7 @@ def test_unsupported_pools_say_why():
     assert "6 compensator tokens" in unsupported(config(rank=6))
     assert "window 256" in unsupported(config(window=256))  # its shared memory would not fit a block
     assert unsupported(config(rank=3)) is None
+    assert unsupported(config(residual="int4", rank=8, ls=True)) is None
     assert "residual 'bf16'" in unsupported(config(residual="bf16"))
     assert "residual 'fp32'" in unsupported(config(residual="fp32"))
 
@@ -115,6 +116,8 @@ GPU_CASES = [
     pytest.param("gdn", "int4", 16, 8, True, 1, id="gdn-int4-p16-r8-smooth"),
     pytest.param("kda", "fp8-e4m3", 16, 4, True, 1, id="kda-fp8-p16-r4-smooth"),
     pytest.param("gdn", "int6", 16, 4, True, 2, id="gdn-int6-p16-r4-smooth-2iters"),
+    pytest.param("gdn", "int8+ls", 16, 4, True, 1, id="gdn-int8-p16-r4-smooth-ls"),
+    pytest.param("kda", "int4+ls", 16, 8, True, 1, id="kda-int4-p16-r8-smooth-ls"),
 ]
 
 
@@ -123,7 +126,8 @@ GPU_CASES = [
 def test_cuda_close_matches_triton_close(family, residual, window, rank, smooth, iters):
     gen = torch.Generator(device="cuda").manual_seed(window + 10 * rank)
     hv, n, spare = 32, 40, 3  # 1280 closing heads: more than the 264 blocks, so blocks are reused
-    cfg = config(family, residual, window, rank, smooth, iters, heads=hv)
+    residual, ls = residual.removesuffix("+ls"), residual.endswith("+ls")
+    cfg = config(family, residual, window, rank, smooth, iters, heads=hv, ls=ls)
     slots = torch.arange(n, dtype=torch.int32, device="cuda")
     base = LeapQuantPool.allocate(cfg, n + spare, "cuda")
     load_states(base, slots, 0.3 * torch.randn(n, hv, 128, 128, generator=gen, device="cuda"))

@@ -3,7 +3,8 @@
 // the pool's shape as macros:
 //
 //   LQ_P window, LQ_R compensator tokens (0..8), LQ_ITERS power iterations, LQ_RESIDUAL 2 (int8 bytes:
-//   int8, int6), 3 (fp8 e4m3) or 4 (packed int4), LQ_SMOOTH, LQ_VECTOR_DECAY (KDA), LQ_REC16 (fp16 records).
+//   int8, int6), 3 (fp8 e4m3) or 4 (packed int4), LQ_SMOOTH, LQ_VECTOR_DECAY (KDA), LQ_REC16 (fp16 records),
+//   LQ_LS (least-squares channel scales, +ls: integer residuals).
 //
 // One 256-thread block per closing head holds the whole state S [V, K] = [128, 128] in registers, 8 x 8 per
 // thread, rebuilt once from the pool (close.py rebuilds it at every pass because its tiles cannot stay in
@@ -16,7 +17,7 @@
 // Persistent: block b closes list entries b, b + gridDim.x, ... (the step kernel wrote the list).
 
 #if !defined(LQ_P) || !defined(LQ_R) || !defined(LQ_ITERS) || !defined(LQ_RESIDUAL) || !defined(LQ_SMOOTH) || \
-    !defined(LQ_VECTOR_DECAY) || !defined(LQ_REC16)
+    !defined(LQ_VECTOR_DECAY) || !defined(LQ_REC16) || !defined(LQ_LS)
 #error "close.cu is built by close_cuda.py, which defines LQ_P, LQ_R, LQ_ITERS, LQ_RESIDUAL, LQ_SMOOTH, ..."
 #endif
 #define K 128
@@ -517,16 +518,32 @@ extern "C" __global__ void __launch_bounds__(NT, 2) leapquant_close(
                 #pragma unroll
                 for (int j = 0; j < 8; ++j) x[j] = fast ? SMOOTHED(i, j) * rcp : __fdiv_rn(SMOOTHED(i, j), scale);
             }
+            float num = 0.0f, den = 0.0f;  // +ls: <c, q> and <c, c> over this thread's 8 keys
             #pragma unroll
             for (int j = 0; j < 8; ++j) {
 #if LQ_RESIDUAL == 3
                 x[j] = e4m3_grid(fminf(fmaxf(x[j], -qmax), qmax));
 #else
-                x[j] = fminf(fmaxf(rintf(x[j]), -qmax), qmax);
+                const float q = x[j];
+                x[j] = fminf(fmaxf(rintf(q), -qmax), qmax);
+                num = fmaf(x[j], q, num);
+                den = fmaf(x[j], x[j], den);
 #endif
             }
             store_codes(payload, i_s, rb * 8 + i, cb, x);
-            if (cb == 0) scale_v[i_s * V + rb * 8 + i] = scale;
+#if LQ_LS && LQ_RESIDUAL != 3
+            // the refit as a ratio of quotients (|q| <= qmax: no overflow), as close.py and scale_fit.py
+            #pragma unroll
+            for (int o = 1; o < 16; o <<= 1) {
+                num += __shfl_xor_sync(0xffffffffu, num, o);
+                den += __shfl_xor_sync(0xffffffffu, den, o);
+            }
+            const float ratio = __fdiv_rn(num, den > 0.0f ? den : 1.0f);
+            const float stored = den > 0.0f && ratio > 0.0f ? __fmul_rn(scale, ratio) : scale;
+#else
+            const float stored = scale;
+#endif
+            if (cb == 0) scale_v[i_s * V + rb * 8 + i] = stored;
         }
 #endif
 #undef SMOOTHED

@@ -4,7 +4,8 @@ Same arithmetic as :func:`close.close_kernel` and :func:`naive.close_ref` (check
 ``tests/test_close_cuda.py``), with the state of a closing head held whole in the registers of one 256-thread
 block and rebuilt once, where the Triton close rebuilds it at each of its three passes.  It applies to
 ``d_k = d_v = 128`` (the head size of Qwen3.5/Qwen3-Next and Kimi-Linear), the scaled residuals
-(``RESIDUAL_FORMATS[...].cuda_close``) and 0 to 4 or 8 tokens; :func:`unsupported` says why another pool
+(``RESIDUAL_FORMATS[...].cuda_close``), least-squares scales (``+ls``: each channel's two sums reduced
+across the 16 threads that hold it) and 0 to 4 or 8 tokens; :func:`unsupported` says why another pool
 does not qualify, and those keep the Triton close.  The CPU (and the Triton interpreter) never runs it: CI
 tests the Triton close, and the GPU runs check this one against it.
 """
@@ -36,8 +37,6 @@ def unsupported(cfg: PoolConfig) -> str | None:
         return f"head size d_k={cfg.d_k}, d_v={cfg.d_v} (the CUDA close is built for 128 x 128)"
     if not cfg.format.cuda_close:
         return f"residual {cfg.residual!r} (the CUDA close takes {', '.join(CUDA_CLOSE_RESIDUALS)})"
-    if cfg.method.least_squares_scales:
-        return "least-squares scales (+ls): the Triton close refits them, the CUDA close does not yet"
     if cfg.compensators > 4 and cfg.compensators != 8:
         # its products take tokens four at a time: 5 to 7 would leave a partial group of four
         return f"{cfg.compensators} compensator tokens (the CUDA close takes 0 to 4, or 8)"
@@ -63,6 +62,7 @@ def compile_options(cfg: PoolConfig) -> list[str]:
         "LQ_SMOOTH": int(cfg.smoothing),
         "LQ_VECTOR_DECAY": int(cfg.decay == "vector"),
         "LQ_REC16": int(cfg.records == "fp16"),
+        "LQ_LS": int(cfg.method.least_squares_scales),
     }
     return ["-std=c++17", *(f"-D{k}={v}" for k, v in defines.items())]
 
