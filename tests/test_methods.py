@@ -185,7 +185,8 @@ def test_record_precision_is_rounded_as_stored():
     ("name", "canonical"),
     [
         ("leapquant-int8", "int8/w16+ct4+smooth"),
-        ("leapquant-int4", "int4/w16+ct8+smooth"),
+        ("leapquant-int4", "int4/w16+ct8+smooth+ls"),
+        ("leapquant-int6", "int6/w16+ct4+smooth+ls"),
         ("int8", "int8"),
         ("bf16/w16", "bf16/w16"),
         ("nvfp4/w8+ct2+svd+rec32+sr", "nvfp4/w8+ct2+svd+rec32+sr"),

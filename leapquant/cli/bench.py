@@ -23,6 +23,7 @@ MAIN = (
     "leapquant-int8:triton-close",
     "leapquant-int8:step",
     "fp8-e4m3/w16+ct4+smooth",
+    "leapquant-int4",
     "int4/w16+ct8+smooth",
 )
 # The window / rank sweep of the paper's Table 3 (r=4 for the windows, p=16 for the ranks).

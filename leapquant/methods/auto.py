@@ -61,7 +61,9 @@ __all__ = [
 # int4/w16+ct8 13.3 + 8.3 KB, int8/w16+ct4 19.5 + 8.3 KB.  Longer INT4 windows lower the error gain but
 # their record buffer costs more than INT8's boundary (int4/w32+ct8: 13.3 + 16.5 KB), and 16 compensator
 # tokens or group scales cut rho by only 20-30% (RESULTS.md); give them as candidates to weigh them.
-AUTO_CANDIDATES = ("int4/w16+ct8+smooth", "int8/w16+ct4+smooth")
+# The INT4 candidate is ``leapquant-int4``'s spelling, with least-squares scales (``+ls``): a layer it
+# would lose to INT8 without them may stay at 4 bits.
+AUTO_CANDIDATES = ("int4/w16+ct8+smooth+ls", "int8/w16+ct4+smooth")
 
 
 @dataclass(frozen=True)
