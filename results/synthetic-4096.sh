@@ -8,8 +8,8 @@ methods=(
   fp32 bf16 bf16/w16
   int8 int8/w16 int8/w16+ct4 int8/w16+ct4+smooth leapquant-int8
   fp8-e4m3 mxfp8 kvquant-int8 quarot-int8 turboquant-8
-  int6 mxfp6-e2m3 nvfp6 kvquant-int6 quarot-int6 turboquant-6 leapquant-int6
-  int4 mxfp4 nvfp4 kvquant-int4 quarot-int4 turboquant-4 leapquant-int4
+  int6 mxfp6-e2m3 nvfp6 kvquant-int6 quarot-int6 turboquant-6 int6/w16+ct4+smooth
+  int4 mxfp4 nvfp4 kvquant-int4 quarot-int4 turboquant-4 int4/w16+ct8+smooth
 )
 args=()
 for m in "${methods[@]}"; do args+=(-m "$m"); done

@@ -21,13 +21,14 @@ fi
 tokens=${TOKENS:-16384}
 table2="-m bf16 -m bf16/w16 -m int8 -m int8/w16 -m int8/w16+ct4 -m leapquant-int8 --generate int8 --generate leapquant-int8"
 bits8="-m int8 -m mxfp8 -m kvquant-int8 -m quarot-int8 -m turboquant-8 -m leapquant-int8"
-bits6="-m int6 -m mxfp6-e2m3 -m nvfp6 -m kvquant-int6 -m quarot-int6 -m turboquant-6 -m leapquant-int6"
-bits4="-m int4 -m mxfp4 -m nvfp4 -m kvquant-int4 -m quarot-int4 -m turboquant-4 -m leapquant-int4"
+# LeapQuant at 6 and 4 bits as the paper configures it (the tables in RESULTS.md); leapquant-int6/int4 add +ls
+bits6="-m int6 -m mxfp6-e2m3 -m nvfp6 -m kvquant-int6 -m quarot-int6 -m turboquant-6 -m int6/w16+ct4+smooth"
+bits4="-m int4 -m mxfp4 -m nvfp4 -m kvquant-int4 -m quarot-int4 -m turboquant-4 -m int4/w16+ct8+smooth"
 # the same tables split over two processes each (a process is launch-bound: halves finish in ~half the time);
 # the halves are merged into eval-MODEL-bitsN.json below
 bits8a="-m int8 -m mxfp8 -m kvquant-int8"; bits8b="-m quarot-int8 -m turboquant-8 -m leapquant-int8"
-bits6a="-m int6 -m mxfp6-e2m3 -m nvfp6 -m kvquant-int6"; bits6b="-m quarot-int6 -m turboquant-6 -m leapquant-int6"
-bits4a="-m int4 -m mxfp4 -m nvfp4 -m kvquant-int4"; bits4b="-m quarot-int4 -m turboquant-4 -m leapquant-int4"
+bits6a="-m int6 -m mxfp6-e2m3 -m nvfp6 -m kvquant-int6"; bits6b="-m quarot-int6 -m turboquant-6 -m int6/w16+ct4+smooth"
+bits4a="-m int4 -m mxfp4 -m nvfp4 -m kvquant-int4"; bits4b="-m quarot-int4 -m turboquant-4 -m int4/w16+ct8+smooth"
 pids=()
 for model in ${MODELS:-qwen35-gdn-hybrid-byte kimi-kda-hybrid-byte}; do
   for table in ${TABLES:-table2 bits8a bits8b bits6a bits6b bits4a bits4b}; do

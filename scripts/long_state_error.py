@@ -5,7 +5,8 @@ gives a long continuation with the model's own decays, keys and values, without 
 tokens.  The exact trajectory and every method's :class:`~leapquant.methods.WindowedState` step through the
 same records, and ``||S - S_exact|| / ||S_exact||`` per stream is printed every ``--every`` tokens.
 
-    python scripts/long_state_error.py TRACE.npz --streams 22 -m leapquant-int4 -m leapquant-int8
+    python scripts/long_state_error.py TRACE.npz --streams 22 -m int4/w16+ct8+smooth -m leapquant-int4 \
+        -m leapquant-int8
 """
 
 from __future__ import annotations

@@ -40,7 +40,8 @@ __all__ = [
 ]
 
 # The rows of the paper's task table (per-step formats, the Table 2 ablation, LeapQuant at 8/6/4 bits and the
-# adapted baselines): one name on the command line. FP32 always runs as the reference row.
+# adapted baselines): one name on the command line. FP32 always runs as the reference row.  LeapQuant at 6 and
+# 4 bits runs twice: ours (``+ls``) and the paper's configuration, spelled out.
 METHOD_PRESETS = {
     "paper-table": (
         "bf16",
@@ -53,6 +54,8 @@ METHOD_PRESETS = {
         "leapquant-int8",
         "leapquant-int6",
         "leapquant-int4",
+        "int6/w16+ct4+smooth",
+        "int4/w16+ct8+smooth",
         "kvquant-int8",
         "quarot-int8",
         "turboquant-8",

@@ -16,19 +16,19 @@ relative state error settles at::
 
 A key direction that decays slowly and that the delta rule rarely erases (decay ~1, keys elsewhere) makes
 ``G`` large: GDN layer 6 of the shipped checkpoint has a head with median decay 0.99995, so its error is
-kept ~20,000 tokens.  INT4's ``rho`` is ~16x INT8's, which pushes ``rho^2 G`` past 1 there while INT8
-stays far below it.
+kept ~20,000 tokens.  Max-scale INT4's ``rho`` (``int4/w16+ct8+smooth``) is ~16x INT8's, which pushes
+``rho^2 G`` past 1 there while INT8 stays far below it.  The model treats ``+ls`` candidates the same way,
+so it is conservative for them: their boundary is non-expansive (:mod:`.scale_fit`).
 
 :func:`calibrate` measures ``rho`` and the error's key-side shape ``C`` by compressing the exact states at
 the window boundaries of a short trace (as the method would, compensators warm-started window to window),
 computes ``G`` from the trace's own records, cycled up to ``horizon`` tokens, and predicts ``e`` per head.
 Per layer it keeps the cheapest candidate (bytes of boundary state plus record buffer per head) whose worst
 head stays within ``budget``, and falls back to the most accurate candidate (8-bit by default) where none
-does.  The default
-budget, 0.35, is ``rho^2 G = 0.11``: a 9x margin to the divergence at 1, kept because a short trace
-underestimates ``G`` (on GDN layer 6, 2K calibration tokens predict 0.47 for INT4 where 64K cycled tokens
-measure 0.8-1.3).  The result is
-an explicit :class:`~leapquant.methods.layer_plan.LayerPlan` with the evidence attached.
+does.  The default budget, 0.35, is ``rho^2 G = 0.11``: a 9x margin to the divergence at 1, kept because a
+short trace underestimates ``G`` (on GDN layer 6, 2K calibration tokens predict 0.47 for max-scale INT4 where
+64K cycled tokens measure 0.8-1.3).  The result is an explicit
+:class:`~leapquant.methods.layer_plan.LayerPlan` with the evidence attached.
 """
 
 from __future__ import annotations
