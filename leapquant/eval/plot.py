@@ -102,11 +102,16 @@ def plot_model_state_error(report: dict, path: str | Path, title: str | None = N
 _RECALL_ERR_TOP = 100.0
 
 
+# drawn thick in fixed colours on every recall figure: the comparison the task exists for
+_RECALL_HIGHLIGHT = {"leapquant-int8": "tab:red", "int8": "tab:blue"}
+
+
 def plot_recall_accuracy(report: dict, path: str | Path, title: str | None = None) -> Path:
-    """Recall against distance (log scale), one line per method (``leapquant recall``): exact-match accuracy
-    on the left, the state error ``||S - S_fp32|| / ||S_fp32||`` after the last answer on the right (it
-    separates the methods where accuracy cannot: FP32 itself misses keys beyond its trained distances).
-    FP32 black and on top, per-step methods dashed, per-window solid; a method with non-finite logits is
+    """Recall against distance (log scale), one line per method (``leapquant recall``), three panels:
+    exact-match accuracy; how often the decoded answer equals FP32's (past its trained distances FP32
+    itself misses keys, and this is what separates the methods); the state error ``||S - S_fp32|| /
+    ||S_fp32||`` after the last answer.  FP32 black and on top, ``leapquant-int8`` and per-step ``int8``
+    thick in fixed colours, per-step methods dashed, per-window solid; a method with non-finite logits is
     marked, and state errors beyond the axis (diverged, inf, nan) are drawn at its top as crosses."""
     import math
 
@@ -116,8 +121,10 @@ def plot_recall_accuracy(report: dict, path: str | Path, title: str | None = Non
     import matplotlib.pyplot as plt
 
     dists = report["distances"]
-    fig, (ax, ax_err) = plt.subplots(1, 2, figsize=(12.0, 4.6), dpi=130)
-    colors = plt.get_cmap("tab20").colors + plt.get_cmap("tab20b").colors
+    fig, (ax, ax_agree, ax_err) = plt.subplots(1, 3, figsize=(16.5, 4.6), dpi=130)
+    # tab20 without its blues and reds (0, 1, 6, 7): those mark the highlighted pair alone
+    tab20 = [c for j, c in enumerate(plt.get_cmap("tab20").colors) if j not in (0, 1, 6, 7)]
+    colors = tuple(tab20) + plt.get_cmap("tab20b").colors
     top = _RECALL_ERR_TOP
     for i, (name, row) in enumerate(report["methods"].items()):
         have = [d for d in dists if str(d) in row["accuracy"]]  # a run cut short misses the longest
@@ -125,14 +132,20 @@ def plot_recall_accuracy(report: dict, path: str | Path, title: str | None = Non
         bad = any(row["nonfinite"][str(d)] for d in have)
         fp32 = name == "fp32"
         style = "-" if row["window"] > 1 or fp32 else "--"
-        color = "black" if fp32 else colors[i % len(colors)]
+        color = "black" if fp32 else _RECALL_HIGHLIGHT.get(name, colors[i % len(colors)])
+        lw = 2.4 if fp32 or name in _RECALL_HIGHLIGHT else 1.3
         shown = f"plan {Path(name).name}" if "plan" in row else name
         label = f"{shown} ({row['bytes_per_element']:.2f} B/elem)" + (", non-finite" if bad else "")
-        z = 3 if fp32 else 2
-        ax.plot(
-            have, acc, style, marker="o", ms=3, lw=2.2 if fp32 else 1.5, color=color, label=label, zorder=z
-        )
-        if fp32 or "state_rel_err" not in row:
+        z = 4 if fp32 else 3 if name in _RECALL_HIGHLIGHT else 2
+        ax.plot(have, acc, style, marker="o", ms=3, lw=lw, color=color, label=label, zorder=z)
+        if fp32:
+            continue
+        agreed = [d for d in have if str(d) in row.get("agree_fp32", {})]
+        ax_agree.plot(
+            agreed, [100 * row["agree_fp32"][str(d)] for d in agreed], style, marker="o", ms=3, lw=lw,
+            color=color, zorder=z,
+        )  # fmt: skip
+        if "state_rel_err" not in row:
             continue
         measured = [d for d in have if str(d) in row["state_rel_err"]]
         errs = [row["state_rel_err"][str(d)] for d in measured]
@@ -140,17 +153,19 @@ def plot_recall_accuracy(report: dict, path: str | Path, title: str | None = Non
         # an error of exactly 0 (a state equal to FP32's) has no place on a log axis: left out
         points = [(d, top if o else e) for d, e, o in zip(measured, errs, over, strict=True) if o or e > 0]
         if points:
-            ax_err.plot(*zip(*points), style, marker="o", ms=3, lw=1.5, color=color, zorder=z)
+            ax_err.plot(*zip(*points), style, marker="o", ms=3, lw=lw, color=color, zorder=z)
         gone = [d for d, o in zip(measured, over, strict=True) if o]
         ax_err.plot(gone, [top] * len(gone), "x", ms=7, color=color)
     ticks = [f"{d // 1024}K" if d % 1024 == 0 else str(d) for d in dists]
-    for a in (ax, ax_err):
+    for a in (ax, ax_agree, ax_err):
         a.set_xscale("log", base=2)
         a.set_xticks(dists, ticks)
         a.set_xlabel("distance from the planted key to the query (tokens)")
         a.grid(True, which="both", alpha=0.3)
     ax.set_ylim(-3, 103)
     ax.set_ylabel("exact-match accuracy (%)")
+    ax_agree.set_ylim(-3, 103)
+    ax_agree.set_ylabel("answers equal to FP32's (%)")
     ax_err.set_yscale("log")
     ax_err.set_ylim(top=top * 2)
     ax_err.set_ylabel(f"state error vs FP32 (x: > {top:g}, inf or nan)")
