@@ -503,6 +503,8 @@ def test_close_token_scratch_changes_no_bit(family, residual, rank, hv, n, progr
         pytest.param("gdn", "int8", 4, 2, 1.0, id="gdn-int8"),
         pytest.param("kda", "int8", 8, 4, 1.0, id="kda-int8-p8-r4"),
         pytest.param("gdn", "int4", 4, 8, 1.0, id="gdn-int4-r8"),
+        pytest.param("kda", "int4", 4, 0, 1.0, id="kda-int4-r0"),
+        pytest.param("gdn", "int4", 4, 2, 1e12, id="gdn-int4-huge-queries"),
         pytest.param("kda", "int6", 4, 0, 1.0, id="kda-int6-r0"),
         pytest.param("gdn", "int8", 4, 2, 1e-18, id="gdn-int8-tiny-queries"),
         pytest.param("kda", "int8", 4, 2, 1e15, id="kda-int8-huge-queries"),

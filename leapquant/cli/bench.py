@@ -442,7 +442,8 @@ def run_kernel(args: argparse.Namespace) -> int:
         def default_launch(variant: Variant, decay=decay) -> LaunchConfig:
             """Without --tune: the tuned launch for the variant's token count, then the overrides."""
             rank = 4 if variant.per_step else variant.method.compensators
-            return replace(LaunchConfig.tuned(decay, rank), **overrides)
+            codec = "int8" if variant.per_step else variant.method.codec
+            return replace(LaunchConfig.tuned(decay, rank, codec), **overrides)
 
         launch = default_launch(tune_variant)
         shape = launch

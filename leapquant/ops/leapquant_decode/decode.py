@@ -77,7 +77,7 @@ def leapquant_decode(
             raise LeapQuantError(f"A_log has shape {tuple(A_log.shape)}, expected ({cfg.heads},)")
     qk_scale = cfg.d_k**-0.5 if scale is None else float(scale)
     if use_triton(pool.device, backend):
-        launch = launch or LaunchConfig.tuned(cfg.decay, cfg.compensators)
+        launch = launch or LaunchConfig.tuned(cfg.decay, cfg.compensators, cfg.residual)
         close = resolve_close(pool, launch) if boundary else None
         pool.close_list()[1].zero_()
         return launch_step(
@@ -119,7 +119,7 @@ def leapquant_step_records(
     if readout not in ("post", "pre"):
         raise LeapQuantError(f"readout must be 'post' or 'pre', got {readout!r}")
     if use_triton(pool.device, backend):
-        launch = LaunchConfig.tuned(cfg.decay, cfg.compensators)
+        launch = LaunchConfig.tuned(cfg.decay, cfg.compensators, cfg.residual)
         pool.close_list()[1].zero_()
         out = launch_step(
             pool,

@@ -67,11 +67,24 @@ def _residual_codes(payload, i_s, o_v, o_k, K: tl.constexpr, V: tl.constexpr):
 def _residual_nibbles(payload, i_s, o_v, K: tl.constexpr, V: tl.constexpr):
     """The int4 codes of value rows ``o_v`` as two int8 ``[BV, K/2]`` planes, the even keys (low nibbles)
     and the odd keys (high nibbles), as they are stored: each plane is a product operand against the
-    matching half of the read vector, so no code is moved into key order."""
+    matching half of the read vector, so no code is moved into key order.
+
+    Each plane is one bitwise operation on the bytes (the compiler does those four bytes at a time; shifts
+    it does byte by byte): the even plane is ``code + 8`` (the low nibble with its sign bit flipped, 0..15),
+    the odd plane ``16 * code`` (the high nibble in place).  ``_nibble_sums`` undoes both, exactly.
+    """
     o_k2 = tl.arange(0, K // 2)
     b_byte = tl.load(payload + i_s * V * (K // 2) + o_v[:, None] * (K // 2) + o_k2[None, :])
     b_byte = b_byte.to(tl.int8, bitcast=True)
-    return (b_byte << 4) >> 4, b_byte >> 4  # arithmetic shifts sign-extend each nibble
+    return (b_byte & 15) ^ 8, b_byte & -16
+
+
+@triton.jit
+def _nibble_sums(b_acc_even, b_acc_odd, b_offset):
+    """The products of the int4 codes from those of ``_residual_nibbles``' planes: ``[BV, 16]`` int32
+    products of the even plane (``code + 8``) and of the odd one (``16 * code``) with the limbs, and
+    ``b_offset [16]`` = 8 x the even limbs' sums.  Exact: every term is an integer below 2^24 in fp32."""
+    return (b_acc_even - b_offset[None, :]).to(tl.float32) + b_acc_odd.to(tl.float32) * 0.0625
 
 
 @triton.jit
@@ -554,6 +567,7 @@ def step_tc_kernel(
         b_rq_even, b_rq_odd = tl.split(tl.reshape(b_rq, (K // 2, 2)))
         b_limbs_even = _limb_rows(b_rb_even, b_rq_even, e_rb, e_rq)
         b_limbs_odd = _limb_rows(b_rb_odd, b_rq_odd, e_rb, e_rq)
+        b_even_offset = 8 * tl.sum(b_limbs_even.to(tl.int32), 1)  # the even plane's +8, per limb row
     else:
         b_limbs = _limb_rows(b_rb, b_rq, e_rb, e_rq)
     b_lwb, b_lwq = _limb_weights(b_rb, b_rq)
@@ -565,8 +579,9 @@ def step_tc_kernel(
         o_v = v0 + o_b
         if RESIDUAL == 4:
             b_even, b_odd = _residual_nibbles(payload, i_s, o_v, K, V)
-            b_acci = tl.dot(b_even, tl.trans(b_limbs_even), out_dtype=tl.int32)
-            b_accs = tl.dot(b_odd, tl.trans(b_limbs_odd), acc=b_acci, out_dtype=tl.int32).to(tl.float32)
+            b_acc_even = tl.dot(b_even, tl.trans(b_limbs_even), out_dtype=tl.int32)
+            b_acc_odd = tl.dot(b_odd, tl.trans(b_limbs_odd), out_dtype=tl.int32)
+            b_accs = _nibble_sums(b_acc_even, b_acc_odd, b_even_offset)
         else:
             b_codes = _residual_codes(payload, i_s, o_v, o_k, K, V)
             b_accs = tl.dot(b_codes, tl.trans(b_limbs), out_dtype=tl.int32).to(tl.float32)  # [BV, 16]

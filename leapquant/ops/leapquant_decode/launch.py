@@ -87,16 +87,21 @@ class LaunchConfig:
     close_cuda_blocks_per_sm: int = 2
 
     @classmethod
-    def tuned(cls, decay: str, compensators: int = 4) -> LaunchConfig:
-        """The shapes ``bench kernel --tune`` picked on the H200 (BENCHMARKS.md) for GDN or KDA pools with
-        ``compensators`` tokens: the close defaults for up to 4 tokens; with 8, three close programs per SM
-        at 168 registers (their token tiles would spill at 128)."""
+    def tuned(cls, decay: str, compensators: int = 4, codec: str = "int8") -> LaunchConfig:
+        """The shapes ``bench kernel --tune`` picked (BENCHMARKS.md) for GDN or KDA pools with
+        ``compensators`` tokens and residual ``codec`` (``PoolConfig.residual``): the close defaults for up
+        to 4 tokens; with 8, three close programs per SM at 168 registers (their token tiles would spill at
+        128).  Packed int4 codes: the tensor-core step prefetches both value chunks of a head (three
+        stages) at 168 registers (12 warps an SM instead of 8): a chunk of nibbles is half the bytes of an
+        int8 chunk, so it needs more of them in flight to keep the memory busy."""
         if decay == "scalar":
             launch = cls(step_bv=8, step_warps=1, step_stages=4)
         else:
             launch = cls(step_bv=32, step_warps=4, step_stages=4)
         if compensators > 4:
             launch = replace(launch, close_programs_per_sm=3, close_maxnreg=168)
+        if codec == "int4":
+            launch = replace(launch, step_tc_stages=3, step_tc_maxnreg=168)
         return launch
 
     def __post_init__(self) -> None:
