@@ -4,7 +4,8 @@ The states these closes leave are wrong: this is timing only.  Each row is ``ben
 ``leapquant-int8`` (or ``--variant``) with the close run after the step (no side stream), profiled so the
 close's own duration is reported beside the step's.
 
-    python scripts/close_cuda_ablation.py [--family gdn,kda] [--n 512] [--masks 0,1,2,4,7] [--json F]
+    python scripts/close_cuda_ablation.py [--family gdn,kda] [--n 512] [--variant M] [--masks 0,1,2,4,8]
+        [--json F]
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ from dataclasses import replace
 
 from leapquant.bench.kernel import KernelCase, bench_variant
 from leapquant.bench.timing import copy_bandwidth
+from leapquant.bench.variants import parse_variant
 from leapquant.eval.provenance import provenance
 from leapquant.ops.leapquant_decode import LaunchConfig, close_cuda
 
-PARTS = {1: "rank-one updates of the rebuild", 2: "fit", 4: "quantization arithmetic"}
+PARTS = {1: "rank-one updates of the rebuild", 2: "fit", 4: "quantization arithmetic", 8: "Gram-Schmidt"}
 
 
 def main() -> None:
@@ -26,7 +28,7 @@ def main() -> None:
     ap.add_argument("--family", default="gdn,kda")
     ap.add_argument("--n", type=int, default=512)
     ap.add_argument("--variant", default="leapquant-int8")
-    ap.add_argument("--masks", default="0,1,2,4")
+    ap.add_argument("--masks", default="0,1,2,4,8")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     options = close_cuda.compile_options
@@ -34,12 +36,15 @@ def main() -> None:
     print(f"copy bandwidth {copy_bandwidth():.0f} GB/s")
     for family in args.family.split(","):
         case = KernelCase(family=family, n=args.n, key_heads=16 if family == "gdn" else 32)
-        launch = replace(LaunchConfig.tuned("scalar" if family == "gdn" else "vector"), close_impl="cuda",
+        variant = parse_variant(args.variant)
+        method = variant.method
+        decay = "scalar" if family == "gdn" else "vector"
+        launch = replace(LaunchConfig.tuned(decay, method.compensators, method.codec), close_impl="cuda",
                          overlap_close=False)  # fmt: skip
         for mask in (int(m) for m in args.masks.split(",")):
             close_cuda.compile_options = lambda cfg, mask=mask: [*options(cfg), f"-DLQ_ABLATE={mask}"]
             close_cuda._kernel.cache_clear()
-            row = bench_variant(args.variant, case, launch=launch, breakdown=True)
+            row = bench_variant(variant, case, launch=launch, breakdown=True)
             row["ablate"] = mask
             row["left_out"] = [name for bit, name in PARTS.items() if mask & bit]
             close = [

@@ -31,7 +31,8 @@
 #error "at most 8 compensator tokens (and 5 to 7 are not supported: close_cuda.unsupported)"
 #endif
 // Timing ablations (scripts/close_cuda_ablation.py; the states they leave are wrong): bit 0 leaves out the
-// tokens' and records' rank-one updates of the rebuild, bit 1 the fit, bit 2 the quantization arithmetic.
+// tokens' and records' rank-one updates of the rebuild, bit 1 the fit, bit 2 the quantization arithmetic,
+// bit 3 the fit's Gram-Schmidt (warp 0 alone, one token after another).
 #ifndef LQ_ABLATE
 #define LQ_ABLATE 0
 #endif
@@ -346,7 +347,7 @@ extern "C" __global__ void __launch_bounds__(NT, 2) leapquant_close(
                 __syncthreads();
             }
             // Q = orth(Z): modified Gram-Schmidt, as methods.compensators.orthonormalize, by warp 0
-            if (warp == 0) {
+            if (warp == 0 && !(LQ_ABLATE & 8)) {
                 #pragma unroll
                 for (int h = 0; h < R; ++h) {
                     float c[4];
