@@ -142,10 +142,14 @@ def main() -> None:
         ptrs = dict(step_ptrs, payload=PAYLOAD[3])
         print(f"step kernel (CUDA cores), {decay} decay, fp8, BV={bv}, {warps} warps:",
               resources(lq.step_kernel, ptrs, {"qk_scale": "fp32", **SHIFTS}, consts, warps))  # fmt: skip
-    tc_shapes = (("scalar", 2, 4, 16, 1), ("vector", 2, 4, 16, 1), ("scalar", 4, 8, 16, 1),
-                 ("scalar", 2, 0, 16, 1), ("scalar", 2, 4, 32, 1), ("vector", 2, 4, 32, 2))  # fmt: skip
-    for decay, code, rank, bv, warps in tc_shapes:
-        consts = dict(H=16, HV=32, K=128, V=128, P=16, R=rank, BV=bv, BP=16, STAGES=3, NATIVE=True,
+    # (decay, codes, tokens, rows per chunk, warps, stages, register cap): the shipped launches
+    # (LaunchConfig.tuned: int8 BV=64 two stages; packed int4 three stages at 168 registers), then others
+    tc_shapes = (("scalar", 2, 4, 64, 1, 2, None), ("vector", 2, 4, 64, 1, 2, None),
+                 ("scalar", 4, 8, 64, 1, 3, 168), ("vector", 4, 8, 64, 1, 3, 168),
+                 ("scalar", 4, 8, 64, 1, 2, None), ("scalar", 2, 0, 16, 1, 3, None),
+                 ("vector", 2, 4, 32, 2, 3, None))  # fmt: skip
+    for decay, code, rank, bv, warps, stages, maxnreg in tc_shapes:
+        consts = dict(H=16, HV=32, K=128, V=128, P=16, R=rank, BV=bv, BP=16, STAGES=stages, NATIVE=True,
                       USE_QK_L2NORM=True,
                       BETA_SIGMOID=False, RESIDUAL=code, SMOOTH=True, READ_PRE=False, ADVANCE=True,
                       SUBSET=1,
@@ -153,8 +157,9 @@ def main() -> None:
                       dt_bias=None, PAGED=False)  # fmt: skip
         ptrs = dict(step_ptrs, payload=PAYLOAD[code])
         print(f"step kernel (tensor cores), {decay} decay, {'int4' if code == 4 else 'int8'}, r={rank}, "
-              f"BV={bv}, {warps} warps:",
-              resources(lq.step_tc_kernel, ptrs, {"qk_scale": "fp32", **SHIFTS}, consts, warps))  # fmt: skip
+              f"BV={bv}, {warps} warps, {stages} stages, maxnreg {maxnreg}:",
+              resources(lq.step_tc_kernel, ptrs, {"qk_scale": "fp32", **SHIFTS}, consts, warps,
+                        maxnreg))  # fmt: skip
     close_ptrs = dict(common, close_list="*i32", close_count="*i32", token_scratch="*fp16")
     scalars = {"smooth_floor": "fp32", "qmax": "fp32", **SHIFTS}
     # (tokens, vector decay, rows per chunk, warps, register cap, token-value scratch)
