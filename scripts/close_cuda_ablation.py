@@ -33,11 +33,11 @@ def main() -> None:
     args = ap.parse_args()
     options = close_cuda.compile_options
     rows = []
+    variant = parse_variant(args.variant)
+    method = variant.method
     print(f"copy bandwidth {copy_bandwidth():.0f} GB/s")
     for family in args.family.split(","):
         case = KernelCase(family=family, n=args.n, key_heads=16 if family == "gdn" else 32)
-        variant = parse_variant(args.variant)
-        method = variant.method
         decay = "scalar" if family == "gdn" else "vector"
         launch = replace(LaunchConfig.tuned(decay, method.compensators, method.codec), close_impl="cuda",
                          overlap_close=False)  # fmt: skip
