@@ -17,6 +17,7 @@ from dataclasses import replace
 from leapquant.bench.kernel import KernelCase, bench_variant
 from leapquant.bench.timing import copy_bandwidth
 from leapquant.bench.variants import parse_variant
+from leapquant.errors import LeapQuantError
 from leapquant.eval.provenance import provenance
 from leapquant.ops.leapquant_decode import LaunchConfig, close_cuda
 
@@ -33,7 +34,10 @@ def main() -> None:
     args = ap.parse_args()
     options = close_cuda.compile_options
     rows = []
-    variant = parse_variant(args.variant)
+    try:
+        variant = parse_variant(args.variant)
+    except LeapQuantError as exc:
+        ap.error(str(exc))
     method = variant.method
     print(f"copy bandwidth {copy_bandwidth():.0f} GB/s")
     for family in args.family.split(","):
