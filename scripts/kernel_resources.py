@@ -1,6 +1,6 @@
 """Compile the decode kernels for sm_90 on a machine without a GPU and print registers, spills and shared
 memory (from the ptxas/cuobjdump that ship with Triton). Catches compile errors and register pressure before
-spending device time. ``--sass`` adds static SASS counts of each close (instructions, local loads and stores
+spending device time. ``--sass`` adds static SASS counts of each kernel (instructions, local loads and stores
 of spills, barriers, shuffles, tensor-core ops): what BENCHMARKS.md quotes for the close trials.
 
     python scripts/kernel_resources.py [--sass]
@@ -63,7 +63,8 @@ def cubin_report(cubin: bytes, shared: str) -> str:
     text = f"registers {reg}, stack (spills) {stack} B, {shared}"
     if SASS:
         lines = [line for line in sass.splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/", line)]
-        counts = {op: sum(op in line for line in lines) for op in ("LDL", "STL", "BAR", "SHFL", "HMMA")}
+        ops = ("LDL", "STL", "BAR", "SHFL", "HMMA", "PRMT")
+        counts = {op: sum(op in line for line in lines) for op in ops}
         text += f"; SASS {len(lines)} instructions, " + ", ".join(f"{k} {v}" for k, v in counts.items())
     return text
 
@@ -146,7 +147,8 @@ def main() -> None:
     # (LaunchConfig.tuned: int8 BV=64 two stages; packed int4 three stages at 168 registers), then others
     tc_shapes = (("scalar", 2, 4, 64, 1, 2, None), ("vector", 2, 4, 64, 1, 2, None),
                  ("scalar", 4, 8, 64, 1, 3, 168), ("vector", 4, 8, 64, 1, 3, 168),
-                 ("scalar", 4, 8, 64, 1, 2, None), ("scalar", 2, 0, 16, 1, 3, None),
+                 ("scalar", 4, 8, 64, 1, 2, None), ("scalar", 2, 0, 64, 1, 2, None),
+                 ("scalar", 4, 0, 64, 1, 2, None), ("scalar", 2, 0, 16, 1, 3, None),
                  ("vector", 2, 4, 32, 2, 3, None))  # fmt: skip
     for decay, code, rank, bv, warps, stages, maxnreg in tc_shapes:
         consts = dict(H=16, HV=32, K=128, V=128, P=16, R=rank, BV=bv, BP=16, STAGES=stages, NATIVE=True,
