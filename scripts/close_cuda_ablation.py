@@ -5,7 +5,10 @@ The states these closes leave are wrong: this is timing only.  Each row is ``ben
 close's own duration is reported beside the step's.
 
     python scripts/close_cuda_ablation.py [--family gdn,kda] [--n 512] [--variant M] [--masks 0,1,2,4,8]
-        [--json F]
+        [--source close.cu] [--json F]
+
+``--source`` times another copy of ``close.cu`` (an A/B of a kernel change on one machine: run it once with
+the copy of the old kernel and once without).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import replace
+from pathlib import Path
 
 from leapquant.bench.kernel import KernelCase, bench_variant
 from leapquant.bench.timing import copy_bandwidth
@@ -30,8 +34,14 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=512)
     ap.add_argument("--variant", default="leapquant-int8")
     ap.add_argument("--masks", default="0,1,2,4,8")
+    ap.add_argument("--source", default=None, help="a close.cu to build instead of the shipped one")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.source is not None:
+        source = Path(args.source)
+        if not source.is_file():
+            ap.error(f"--source {source}: no such file")
+        close_cuda.SOURCE = source
     options = close_cuda.compile_options
     rows = []
     try:
@@ -60,8 +70,9 @@ def main() -> None:
             rows.append(row)
     close_cuda.compile_options = options
     if args.json:
+        source = str(close_cuda.SOURCE) if args.source is not None else "shipped close.cu"
         with open(args.json, "w") as f:
-            json.dump({"provenance": provenance(cuda=True), "rows": rows}, f, indent=1)
+            json.dump({"provenance": provenance(cuda=True), "source": source, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@
 #endif
 // Timing ablations (scripts/close_cuda_ablation.py; the states they leave are wrong): bit 0 leaves out the
 // tokens' and records' rank-one updates of the rebuild, bit 1 the fit, bit 2 the quantization arithmetic,
-// bit 3 the fit's Gram-Schmidt (warp 0 alone, one token after another).
+// bit 3 the fit's Gram-Schmidt.
 #ifndef LQ_ABLATE
 #define LQ_ABLATE 0
 #endif
@@ -346,31 +346,42 @@ extern "C" __global__ void __launch_bounds__(NT, 2) leapquant_close(
                 }
                 __syncthreads();
             }
-            // Q = orth(Z): modified Gram-Schmidt, as methods.compensators.orthonormalize, by warp 0
-            if (warp == 0 && !(LQ_ABLATE & 8)) {
+            // Q = orth(Z): modified Gram-Schmidt, as methods.compensators.orthonormalize, right-looking: warp h
+            // holds column h; once warp p has normalized q_p, every later column subtracts its projection on
+            // q_p at once.  Each column sees the same operations in the same order as in the one-column-at-a-
+            // time loop (the same bits), but the dependent chain is 2R - 1 warp sums instead of R(R + 1) / 2.
+#if !(LQ_ABLATE & 8)
+            {
+                float c[4];
+                if (warp < R)
+                    #pragma unroll
+                    for (int t = 0; t < 4; ++t) c[t] = sm[SM_Q + warp * K + lane + 32 * t];
                 #pragma unroll
-                for (int h = 0; h < R; ++h) {
-                    float c[4];
-                    #pragma unroll
-                    for (int t = 0; t < 4; ++t) c[t] = sm[SM_Q + h * K + lane + 32 * t];
-                    #pragma unroll
-                    for (int p = 0; p < h; ++p) {
-                        float d = 0.0f;
+                for (int p = 0; p < R; ++p) {
+                    if (warp == p) {
+                        float n2 = 0.0f;
                         #pragma unroll
-                        for (int t = 0; t < 4; ++t) d += sm[SM_Q + p * K + lane + 32 * t] * c[t];
-                        d = warp_sum(d);
+                        for (int t = 0; t < 4; ++t) n2 += c[t] * c[t];
+                        const float norm = __fsqrt_rn(warp_sum(n2));
                         #pragma unroll
-                        for (int t = 0; t < 4; ++t) c[t] -= d * sm[SM_Q + p * K + lane + 32 * t];
+                        for (int t = 0; t < 4; ++t)
+                            sm[SM_Q + p * K + lane + 32 * t] =
+                                norm > 1e-30f ? __fdiv_rn(c[t], fmaxf(norm, 1e-30f)) : 0.0f;
                     }
-                    float n2 = 0.0f;
-                    #pragma unroll
-                    for (int t = 0; t < 4; ++t) n2 += c[t] * c[t];
-                    const float norm = __fsqrt_rn(warp_sum(n2));
-                    #pragma unroll
-                    for (int t = 0; t < 4; ++t)
-                        sm[SM_Q + h * K + lane + 32 * t] = norm > 1e-30f ? __fdiv_rn(c[t], fmaxf(norm, 1e-30f)) : 0.0f;
+                    if (p + 1 < R) {
+                        __syncthreads();  // q_p is written; every thread meets this barrier
+                        if (warp > p && warp < R) {
+                            float d = 0.0f;
+                            #pragma unroll
+                            for (int t = 0; t < 4; ++t) d += sm[SM_Q + p * K + lane + 32 * t] * c[t];
+                            d = warp_sum(d);
+                            #pragma unroll
+                            for (int t = 0; t < 4; ++t) c[t] -= d * sm[SM_Q + p * K + lane + 32 * t];
+                        }
+                    }
                 }
             }
+#endif
             __syncthreads();
             // token values U = S Q [V, R]: partial over this thread's columns, then over the row's 16 threads
             for (int r0 = 0; r0 < R; r0 += RG) {

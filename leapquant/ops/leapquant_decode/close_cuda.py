@@ -64,7 +64,8 @@ def compile_options(cfg: PoolConfig) -> list[str]:
         "LQ_REC16": int(cfg.records == "fp16"),
         "LQ_LS": int(cfg.method.least_squares_scales),
     }
-    return ["-std=c++17", *(f"-D{k}={v}" for k, v in defines.items())]
+    # -lineinfo: line tables only (the code is the same), so that a profiler names close.cu's lines
+    return ["-std=c++17", "-lineinfo", *(f"-D{k}={v}" for k, v in defines.items())]
 
 
 def shared_bytes(cfg: PoolConfig) -> int:
