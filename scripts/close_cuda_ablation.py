@@ -5,10 +5,11 @@ The states these closes leave are wrong: this is timing only.  Each row is ``ben
 close's own duration is reported beside the step's.
 
     python scripts/close_cuda_ablation.py [--family gdn,kda] [--n 512] [--variant M] [--masks 0,1,2,4,8]
-        [--source close.cu] [--json F]
+        [--source close.cu] [--no-prefetch] [--json F]
 
 ``--source`` times another copy of ``close.cu`` (an A/B of a kernel change on one machine: run it once with
-the copy of the old kernel and once without).
+the copy of the old kernel and once without); ``--no-prefetch`` builds it without staging the next head
+(``LQ_PREFETCH=0``).
 """
 
 from __future__ import annotations
@@ -35,8 +36,11 @@ def main() -> None:
     ap.add_argument("--variant", default="leapquant-int8")
     ap.add_argument("--masks", default="0,1,2,4,8")
     ap.add_argument("--source", default=None, help="a close.cu to build instead of the shipped one")
+    ap.add_argument("--no-prefetch", action="store_true", help="build with LQ_PREFETCH=0")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.no_prefetch:
+        close_cuda.prefetches = lambda cfg, shared_per_sm: False
     if args.source is not None:
         source = Path(args.source)
         if not source.is_file():
@@ -56,7 +60,9 @@ def main() -> None:
         launch = replace(LaunchConfig.tuned(decay, method.compensators, method.codec), close_impl="cuda",
                          overlap_close=False)  # fmt: skip
         for mask in (int(m) for m in args.masks.split(",")):
-            close_cuda.compile_options = lambda cfg, mask=mask: [*options(cfg), f"-DLQ_ABLATE={mask}"]
+            close_cuda.compile_options = lambda cfg, *, prefetch=False, mask=mask: [
+                *options(cfg, prefetch=prefetch), f"-DLQ_ABLATE={mask}"
+            ]
             close_cuda._kernel.cache_clear()
             row = bench_variant(variant, case, launch=launch, breakdown=True)
             row["ablate"] = mask
@@ -72,7 +78,8 @@ def main() -> None:
     if args.json:
         source = str(close_cuda.SOURCE) if args.source is not None else "shipped close.cu"
         with open(args.json, "w") as f:
-            json.dump({"provenance": provenance(cuda=True), "source": source, "rows": rows}, f, indent=1)
+            meta = {"source": source, "prefetch": "off" if args.no_prefetch else "auto"}
+            json.dump({"provenance": provenance(cuda=True), **meta, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

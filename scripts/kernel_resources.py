@@ -27,6 +27,7 @@ from leapquant.ops.leapquant_decode import close as cc
 from leapquant.ops.leapquant_decode import fused_recurrent as lq
 
 TARGET = GPUTarget("cuda", 90, 32)
+HOPPER_SHARED_PER_SM = 228 * 1024  # H100 / H200: what decides the CUDA close's prefetch there
 SASS = "--sass" in sys.argv[1:]
 PAYLOAD = {0: "*fp32", 1: "*bf16", 2: "*i8", 3: "*fp8e4nv", 4: "*u8"}
 
@@ -92,7 +93,9 @@ def cuda_close_resources(cfg) -> str:
     prog = ctypes.c_void_p()
     source = close_cuda.SOURCE.read_text().encode()
     assert lib.nvrtcCreateProgram(ctypes.byref(prog), source, b"close.cu", 0, None, None) == 0
-    opts = [b"--gpu-architecture=sm_90", *(o.encode() for o in close_cuda.compile_options(cfg))]
+    prefetch = close_cuda.prefetches(cfg, HOPPER_SHARED_PER_SM)
+    options = close_cuda.compile_options(cfg, prefetch=prefetch)
+    opts = [b"--gpu-architecture=sm_90", *(o.encode() for o in options)]
     res = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
     size = ctypes.c_size_t()
     if res != 0:
@@ -103,7 +106,8 @@ def cuda_close_resources(cfg) -> str:
     lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
     cubin = ctypes.create_string_buffer(size.value)
     lib.nvrtcGetCUBIN(prog, cubin)
-    return cubin_report(cubin.raw, f"shared {close_cuda.shared_bytes(cfg)} B dynamic")
+    shared = close_cuda.shared_bytes(cfg, prefetch=prefetch)
+    return cubin_report(cubin.raw, f"shared {shared} B dynamic, prefetch {'on' if prefetch else 'off'}")
 
 
 def cuda_closes() -> None:

@@ -17,7 +17,13 @@ from pools import pool_config
 from leapquant.errors import LeapQuantError
 from leapquant.ops import LeapQuantPool
 from leapquant.ops.leapquant_decode import LaunchConfig, leapquant_decode, load_states, materialize_states
-from leapquant.ops.leapquant_decode.close_cuda import SOURCE, compile_options, shared_bytes, unsupported
+from leapquant.ops.leapquant_decode.close_cuda import (
+    SOURCE,
+    compile_options,
+    prefetches,
+    shared_bytes,
+    unsupported,
+)
 
 GPU = torch.cuda.is_available()
 
@@ -82,18 +88,35 @@ def test_cuda_close_on_a_cpu_pool_is_an_error_not_a_fallback():
     [config(), config("kda", "int4", 32, 8), config("gdn", "fp8-e4m3", 8, 0, False), config(rank=2, iters=3)],
     ids=["gdn-int8-p16-r4", "kda-int4-p32-r8", "gdn-fp8-p8-r0", "gdn-int8-r2-3iters"],
 )
-def test_shared_memory_size_is_the_kernels_layout(cfg):
-    """``shared_bytes`` (what the launch reserves) equals the ``SM_FLOATS`` of ``close.cu``'s layout."""
+@pytest.mark.parametrize("prefetch", [False, True], ids=["direct", "prefetch"])
+def test_shared_memory_size_is_the_kernels_layout(cfg, prefetch):
+    """``shared_bytes`` (what the launch reserves) equals the ``SM_FLOATS`` of ``close.cu``'s layout, with
+    and without the staging area of the next head."""
     text = SOURCE.read_text()  # where the launcher reads it: an installed package carries it too
     macros = dict(re.findall(r"^#define (SM_\w+) (.+?)(?:\s*//.*)?$", text, re.M))
+    options = compile_options(cfg, prefetch=prefetch)
     values = {"K": cfg.d_k, "V": cfg.d_v, "P": cfg.window, "R": cfg.compensators}
+    values |= {m[0]: int(m[1]) for m in re.findall(r"^-D(LQ_\w+)=(\d+)$", "\n".join(options), re.M)}
+    assert values["LQ_PREFETCH"] == int(prefetch)
 
     def value(name: str) -> int:
         expr = re.sub(r"\b(SM_\w+)\b", lambda m: f"({value(m.group(1))})", macros[name])
-        return eval(expr, {}, values)
+        return eval(expr.replace("/", "//"), {}, values)  # C's integer division of non-negative ints
 
-    assert 4 * value("SM_FLOATS") == shared_bytes(cfg)
-    assert f"-DLQ_P={cfg.window}" in compile_options(cfg)
+    assert 4 * value("SM_FLOATS") == shared_bytes(cfg, prefetch=prefetch)
+    if prefetch:  # cp.async writes 16-byte pieces: every staging region starts on 16 bytes
+        for name in macros:
+            if name.startswith("SM_ST"):
+                assert value(name) % 4 == 0, name
+    assert f"-DLQ_P={cfg.window}" in options
+
+
+def test_prefetch_only_where_two_blocks_still_share_an_sm():
+    hopper = 228 * 1024
+    assert prefetches(config(), hopper)  # the presets: staging fits beside a second block
+    assert prefetches(config("kda", "int4", 16, 8), hopper)
+    assert not prefetches(config(window=64), hopper)  # one block an SM would cost more than it hides
+    assert not prefetches(config(), 100 * 1024)  # an SM with less shared memory
 
 
 def _tokens(family, n, hv, gen):
@@ -124,6 +147,28 @@ GPU_CASES = [
 @pytest.mark.skipif(not GPU, reason="the CUDA close runs on a GPU")
 @pytest.mark.parametrize(("family", "residual", "window", "rank", "smooth", "iters"), GPU_CASES)
 def test_cuda_close_matches_triton_close(family, residual, window, rank, smooth, iters):
+    _check_against_triton(family, residual, window, rank, smooth, iters)
+
+
+@pytest.mark.skipif(not GPU, reason="the CUDA close runs on a GPU")
+@pytest.mark.parametrize("family", ["gdn", "kda"])
+def test_cuda_close_of_a_pool_off_16_bytes_matches(family):
+    """Pool tensors that do not start on 16 bytes (carved out of another buffer) close without the staging
+    copies, and as exactly."""
+    _check_against_triton(family, "int8", 16, 4, True, 1, misalign=True)
+
+
+def _off_16_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` whose storage starts 4 bytes past a 16-byte boundary."""
+    size = t.element_size()
+    buf = torch.empty(t.numel() + 32 // size, dtype=t.dtype, device=t.device)
+    start = ((16 - buf.data_ptr() % 16) % 16 + 4) // size
+    out = buf[start : start + t.numel()].view(t.shape).copy_(t)
+    assert out.data_ptr() % 16 == 4
+    return out
+
+
+def _check_against_triton(family, residual, window, rank, smooth, iters, misalign=False):
     gen = torch.Generator(device="cuda").manual_seed(window + 10 * rank)
     hv, n, spare = 32, 40, 3  # 1280 closing heads: more than the 264 blocks, so blocks are reused
     residual, ls = residual.removesuffix("+ls"), residual.endswith("+ls")
@@ -141,6 +186,8 @@ def test_cuda_close_matches_triton_close(family, residual, window, rank, smooth,
         impl: LeapQuantPool(cfg, {k: t.clone() for k, t in base.tensors.items()})
         for impl in ("triton", "cuda")
     }
+    if misalign:
+        pools["cuda"] = LeapQuantPool(cfg, {k: _off_16_bytes(t) for k, t in pools["cuda"].tensors.items()})
     x = _tokens(family, n, hv, gen)
     outs = {
         impl: leapquant_decode(p, slots, *x, launch=LaunchConfig(close_impl=impl))

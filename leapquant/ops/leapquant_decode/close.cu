@@ -4,7 +4,8 @@
 //
 //   LQ_P window, LQ_R compensator tokens (0..8), LQ_ITERS power iterations, LQ_RESIDUAL 2 (int8 bytes:
 //   int8, int6), 3 (fp8 e4m3) or 4 (packed int4), LQ_SMOOTH, LQ_VECTOR_DECAY (KDA), LQ_REC16 (fp16 records),
-//   LQ_LS (least-squares channel scales, +ls: integer residuals).
+//   LQ_LS (least-squares channel scales, +ls: integer residuals), LQ_PREFETCH (stage the next head's inputs in
+//   shared memory while this one closes: close_cuda.prefetches decides, from the shared memory of an SM).
 //
 // One 256-thread block per closing head holds the whole state S [V, K] = [128, 128] in registers, 8 x 8 per
 // thread, rebuilt once from the pool (close.py rebuilds it at every pass because its tiles cannot stay in
@@ -14,10 +15,13 @@
 // sums along the keys (token values, row maxima) are four shuffles; sums along the values (the fit's
 // product, the smoothing sums) are one shuffle and one pass through shared memory over the 8 warps.
 //
-// Persistent: block b closes list entries b, b + gridDim.x, ... (the step kernel wrote the list).
+// Persistent: block b closes list entries b, b + gridDim.x, ... (the step kernel wrote the list).  With
+// LQ_PREFETCH the inputs of a block's next head (codes, scales, records, tokens) are copied into a staging
+// area by cp.async while the present head closes, so that only the first head of a block waits for global
+// memory; without it each head loads its own at the start.
 
 #if !defined(LQ_P) || !defined(LQ_R) || !defined(LQ_ITERS) || !defined(LQ_RESIDUAL) || !defined(LQ_SMOOTH) || \
-    !defined(LQ_VECTOR_DECAY) || !defined(LQ_REC16) || !defined(LQ_LS)
+    !defined(LQ_VECTOR_DECAY) || !defined(LQ_REC16) || !defined(LQ_LS) || !defined(LQ_PREFETCH)
 #error "close.cu is built by close_cuda.py, which defines LQ_P, LQ_R, LQ_ITERS, LQ_RESIDUAL, LQ_SMOOTH, ..."
 #endif
 #define K 128
@@ -125,15 +129,20 @@ __device__ __forceinline__ float e4m3_value(unsigned byte) {
 }
 #endif
 
-// The raw code words of row v, this thread's 8 key columns (two words: columns cb*4.. and 64+cb*4..).
-__device__ __forceinline__ void load_code_words(const unsigned char* payload, long long i_s, int v, int cb,
-                                                unsigned* w) {
 #if LQ_RESIDUAL == 4
-    const unsigned char* row = payload + (i_s * V + v) * (K / 2);
+#define ROW_BYTES (K / 2)
+#else
+#define ROW_BYTES K
+#endif
+
+// The raw code words of row v of a head's codes, this thread's 8 key columns (two words: columns cb*4..
+// and 64+cb*4..).
+__device__ __forceinline__ void load_code_words(const unsigned char* codes, int v, int cb, unsigned* w) {
+    const unsigned char* row = codes + v * ROW_BYTES;
+#if LQ_RESIDUAL == 4
     w[0] = *(const unsigned short*)(row + cb * 2);
     w[1] = *(const unsigned short*)(row + 32 + cb * 2);
 #else
-    const unsigned char* row = payload + (i_s * V + v) * K;
     w[0] = *(const unsigned*)(row + cb * 4);
     w[1] = *(const unsigned*)(row + 64 + cb * 4);
 #endif
@@ -194,64 +203,147 @@ __device__ __forceinline__ void store_codes(unsigned char* payload, long long i_
 #define SM_RED (SM_Q + R * K)        // [8 warps][4][K] per-warp partial sums along the values
 #define SM_C (SM_RED + 8 * 4 * K)    // [K] smoothing scales
 #define SM_RC (SM_C + K)             // [K] their reciprocals
-#define SM_FLOATS (SM_RC + K)
+// LQ_PREFETCH: the next head's inputs as stored (close_cuda.shared_bytes mirrors this; every region starts
+// on 16 bytes for cp.async)
+#define SM_STAGE (SM_RC + K)
+#define SM_ST_CODES SM_STAGE                                                   // [V][K] codes
+#define SM_ST_SCALE (SM_ST_CODES + V * K * (8 - 4 * (LQ_RESIDUAL == 4)) / 32)  // [V] channel scales
+#define SM_ST_G (SM_ST_SCALE + V)                                  // [P] or [P][K] log decays
+#define SM_ST_RK (SM_ST_G + (P * (1 + (K - 1) * LQ_VECTOR_DECAY) + 3) / 4 * 4)  // [P][K] record keys
+#define SM_ST_RU (SM_ST_RK + P * K * (2 - LQ_REC16) / 2)           // [P][V] record values
+#define SM_ST_SMOOTH (SM_ST_RU + P * V * (2 - LQ_REC16) / 2)       // [K] smoothing scales
+#define SM_ST_CK (SM_ST_SMOOTH + K * LQ_SMOOTH)                    // [R][K] fp16 token keys
+#define SM_ST_CU (SM_ST_CK + R * K / 2)                            // [R][V] fp16 token values
+#define SM_STAGE_END (SM_ST_CU + R * V / 2)
+#define SM_FLOATS (SM_STAGE + LQ_PREFETCH * (SM_STAGE_END - SM_STAGE))
+
+#if LQ_PREFETCH
+// Asynchronous copy of BYTES from global to shared memory by the whole block, in PIECE-byte pieces (16 where
+// the sizes allow: close_cuda.py builds this only for pools whose tensors start on 16 bytes).
+template <int BYTES, int PIECE = (BYTES % 16 == 0 ? 16 : 4)>
+__device__ __forceinline__ void copy_async(float* dst, const void* src, int tid) {
+    static_assert(BYTES % 4 == 0, "the inputs are 4-byte multiples");
+    unsigned s;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(s) : "l"(dst));
+    const char* g = (const char*)src;
+    #pragma unroll
+    for (int i = 0; i < (BYTES + NT * PIECE - 1) / (NT * PIECE); ++i) {  // a fixed count: unrolled
+        const int o = (i * NT + tid) * PIECE;
+        if (BYTES % (NT * PIECE) != 0 && o >= BYTES) break;
+        if (PIECE == 16)
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s + o), "l"(g + o) : "memory");
+        else
+            asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(s + o), "l"(g + o) : "memory");
+    }
+}
+#endif
 
 extern "C" __global__ void __launch_bounds__(NT, 2) leapquant_close(
     const int* __restrict__ close_list, const int* __restrict__ close_count, unsigned char* payload,
     float* scale_v, float* smooth, half_bits* comp_k, half_bits* comp_u, const float* __restrict__ rec_g,
     const rec_t* __restrict__ rec_k, const rec_t* __restrict__ rec_u, int* pos, double smooth_floor_d,
     double qmax_d) {
-    extern __shared__ float sm[];
+    extern __shared__ __align__(16) float sm[];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int rb = tid >> 4, cb = tid & 15;
     const float smooth_floor = (float)smooth_floor_d, qmax = (float)qmax_d;
     const int count = *close_count;
     (void)smooth_floor;
 
-    for (int idx = blockIdx.x; idx < count; idx += gridDim.x) {
-        const long long i_s = close_list[idx];
+#if LQ_PREFETCH
+    // a head's inputs, copied into the staging area (one commit group; a block has one in flight)
+    auto stage = [&](int head) {
+        const long long h = head;
+        constexpr int G_N = P * (1 + (K - 1) * LQ_VECTOR_DECAY);
+        copy_async<V * ROW_BYTES>(sm + SM_ST_CODES, payload + h * V * ROW_BYTES, tid);
+        copy_async<V * 4>(sm + SM_ST_SCALE, scale_v + h * V, tid);
+        copy_async<G_N * 4>(sm + SM_ST_G, rec_g + h * G_N, tid);
+        copy_async<P * K * (int)sizeof(rec_t)>(sm + SM_ST_RK, rec_k + h * P * K, tid);
+        copy_async<P * V * (int)sizeof(rec_t)>(sm + SM_ST_RU, rec_u + h * P * V, tid);
+#if LQ_SMOOTH
+        copy_async<K * 4>(sm + SM_ST_SMOOTH, smooth + h * K, tid);
+#endif
+#if R > 0
+        copy_async<R * K * 2>(sm + SM_ST_CK, comp_k + h * R * K, tid);
+        copy_async<R * V * 2>(sm + SM_ST_CU, comp_u + h * R * V, tid);
+#endif
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    };
+    // the list entries one and two heads ahead (-1: none), read a head early so that no copy waits on them
+    int i_next = blockIdx.x < count ? close_list[blockIdx.x] : -1;
+    if (i_next >= 0) stage(i_next);
+    int i_after = blockIdx.x + gridDim.x < count ? close_list[blockIdx.x + gridDim.x] : -1;
+#endif
 
-        // the codes and channel scales first: their loads are in flight while the factors are prepared
+    for (int idx = blockIdx.x; idx < count; idx += gridDim.x) {
+#if LQ_PREFETCH
+        const long long i_s = i_next;
+        i_next = i_after;
+        asm volatile("cp.async.wait_all;" ::: "memory");
+        __syncthreads();  // every thread's copies have landed
+        const unsigned char* in_codes = (const unsigned char*)(sm + SM_ST_CODES);
+        const float* in_scale = sm + SM_ST_SCALE;
+        const float* in_g = sm + SM_ST_G;
+        const rec_t* in_rk = (const rec_t*)(sm + SM_ST_RK);
+        const rec_t* in_ru = (const rec_t*)(sm + SM_ST_RU);
+        const float* in_smooth = sm + SM_ST_SMOOTH;
+        const half_bits* in_ck = (const half_bits*)(sm + SM_ST_CK);
+        const half_bits* in_cu = (const half_bits*)(sm + SM_ST_CU);
+#else
+        const long long i_s = close_list[idx];
+        const unsigned char* in_codes = payload + i_s * V * ROW_BYTES;
+        const float* in_scale = scale_v + i_s * V;
+        const float* in_g = rec_g + i_s * P * (1 + (K - 1) * LQ_VECTOR_DECAY);
+        const rec_t* in_rk = rec_k + i_s * P * K;
+        const rec_t* in_ru = rec_u + i_s * P * V;
+        const float* in_smooth = smooth + i_s * K;
+        const half_bits* in_ck = comp_k + i_s * R * K;
+        const half_bits* in_cu = comp_u + i_s * R * V;
+#endif
+        (void)in_smooth, (void)in_ck, (void)in_cu;
+
+        // the codes and channel scales first: (without staging) their loads are in flight while the factors
+        // are prepared
         unsigned words[8][2];
         float sc[8];
         #pragma unroll
         for (int i = 0; i < 8; ++i) {
-            load_code_words(payload, i_s, rb * 8 + i, cb, words[i]);
-            sc[i] = scale_v[i_s * V + rb * 8 + i];
+            load_code_words(in_codes, rb * 8 + i, cb, words[i]);
+            sc[i] = in_scale[rb * 8 + i];
         }
 
         // ---- the head's factors (close.py _window_factors), every load of a loop issued at once ----
 #if LQ_VECTOR_DECAY
-        const float* g = rec_g + i_s * P * K;
+        const float* g = in_g;
 #define END_DECAY(k) expf(g[(P - 1) * K + (k)])
         #pragma unroll
         for (int t = 0; t < (P * K + NT - 1) / NT; ++t) {
             const int e = tid + t * NT;
-            if (e < P * K) sm[SM_KEYS + e] = rec_load(rec_k + i_s * P * K + e) * expf(g[(P - 1) * K + e % K] - g[e]);
+            if (e < P * K) sm[SM_KEYS + e] = rec_load(in_rk + e) * expf(g[(P - 1) * K + e % K] - g[e]);
         }
         #pragma unroll
         for (int t = 0; t < (P * V + NT - 1) / NT; ++t) {
             const int e = tid + t * NT;
-            if (e < P * V) sm[SM_VALS + e] = rec_load(rec_u + i_s * P * V + e);
+            if (e < P * V) sm[SM_VALS + e] = rec_load(in_ru + e);
         }
 #else
-        const float* g = rec_g + i_s * P;
+        const float* g = in_g;
         const float g_end = g[P - 1];
 #define END_DECAY(k) expf(g_end)
         #pragma unroll
         for (int t = 0; t < (P * K + NT - 1) / NT; ++t) {
             const int e = tid + t * NT;
-            if (e < P * K) sm[SM_KEYS + e] = rec_load(rec_k + i_s * P * K + e);
+            if (e < P * K) sm[SM_KEYS + e] = rec_load(in_rk + e);
         }
         #pragma unroll
         for (int t = 0; t < (P * V + NT - 1) / NT; ++t) {
             const int e = tid + t * NT;
-            if (e < P * V) sm[SM_VALS + e] = rec_load(rec_u + i_s * P * V + e) * expf(g_end - g[e / V]);
+            if (e < P * V) sm[SM_VALS + e] = rec_load(in_ru + e) * expf(g_end - g[e / V]);
         }
 #endif
         if (tid < K) {
 #if LQ_SMOOTH
-            sm[SM_COL + tid] = smooth[i_s * K + tid] * END_DECAY(tid);
+            sm[SM_COL + tid] = in_smooth[tid] * END_DECAY(tid);
 #else
             sm[SM_COL + tid] = END_DECAY(tid);
 #endif
@@ -260,16 +352,20 @@ extern "C" __global__ void __launch_bounds__(NT, 2) leapquant_close(
         #pragma unroll
         for (int t = 0; t < (R * K + NT - 1) / NT; ++t) {
             const int e = tid + t * NT;
-            if (e < R * K) sm[SM_TK + e] = h2f(comp_k[i_s * R * K + e]) * END_DECAY(e % K);
+            if (e < R * K) sm[SM_TK + e] = h2f(in_ck[e]) * END_DECAY(e % K);
         }
         #pragma unroll
         for (int t = 0; t < (R * V + NT - 1) / NT; ++t) {
             const int e = tid + t * NT;
-            if (e < R * V) sm[SM_TU + e] = h2f(comp_u[i_s * R * V + e]);
+            if (e < R * V) sm[SM_TU + e] = h2f(in_cu[e]);
         }
 #endif
 #undef END_DECAY
         __syncthreads();
+#if LQ_PREFETCH
+        // the staging area is read (codes and scales in registers, factors prepared): the next head's copies
+        if (i_next >= 0) stage(i_next);
+#endif
 
         // ---- the state at the window's end, S = scale C col + Tu Tk^T + vals^T keys, in registers ----
         float s[8][8];
@@ -569,6 +665,10 @@ extern "C" __global__ void __launch_bounds__(NT, 2) leapquant_close(
         for (int e = tid; e < K; e += NT) smooth[i_s * K + e] = sm[SM_C + e];
 #endif
         if (tid == 0) pos[i_s] = 0;
+#if LQ_PREFETCH
+        // read here, where few registers are live, a head before its copies are issued
+        i_after = idx + 2 * gridDim.x < count ? close_list[idx + 2 * gridDim.x] : -1;
+#endif
         __syncthreads();  // the next head reuses shared memory
     }
 }

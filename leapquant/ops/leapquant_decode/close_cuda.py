@@ -22,12 +22,14 @@ from ...formats.residual import CUDA_CLOSE_RESIDUALS
 from ..pool import LeapQuantPool, PoolConfig
 
 __all__ = [
-    "MAX_SHARED", "SOURCE", "THREADS", "compile_options", "launch_cuda_close",
+    "MAX_SHARED", "SOURCE", "THREADS", "compile_options", "launch_cuda_close", "prefetches",
     "shared_bytes", "unavailable", "unsupported",
 ]  # fmt: skip
 
 THREADS = 256  # one block per closing head: 16 x 16 threads of 8 x 8 state entries each
 MAX_SHARED = 227 * 1024  # a block's shared memory on Hopper (opt-in), and below it on older GPUs: checked
+BLOCKS_PER_SM = 2  # what the kernel's 128 registers a thread allow (__launch_bounds__(256, 2))
+RESERVED_SHARED = 1024  # shared memory the driver reserves per block
 SOURCE = Path(__file__).with_name("close.cu")  # shipped as package data (pyproject.toml)
 
 
@@ -52,8 +54,16 @@ def unavailable() -> str | None:
     return None
 
 
-def compile_options(cfg: PoolConfig) -> list[str]:
-    """NVRTC options that specialise ``close.cu`` to pools of ``cfg``."""
+def prefetches(cfg: PoolConfig, shared_per_sm: int) -> bool:
+    """Whether the close stages each block's next head in shared memory (``LQ_PREFETCH``): where the staging
+    area still lets ``BLOCKS_PER_SM`` blocks share an SM with ``shared_per_sm`` bytes.  Without it every
+    head waits for its own loads; with it only a block's first does, but a block with one SM to itself
+    would lose more than that (long windows)."""
+    return BLOCKS_PER_SM * (shared_bytes(cfg, prefetch=True) + RESERVED_SHARED) <= shared_per_sm
+
+
+def compile_options(cfg: PoolConfig, *, prefetch: bool = False) -> list[str]:
+    """NVRTC options that specialise ``close.cu`` to pools of ``cfg`` (``prefetch``: :func:`prefetches`)."""
     defines = {
         "LQ_P": cfg.window,
         "LQ_R": cfg.compensators,
@@ -63,31 +73,45 @@ def compile_options(cfg: PoolConfig) -> list[str]:
         "LQ_VECTOR_DECAY": int(cfg.decay == "vector"),
         "LQ_REC16": int(cfg.records == "fp16"),
         "LQ_LS": int(cfg.method.least_squares_scales),
+        "LQ_PREFETCH": int(prefetch),
     }
     # -lineinfo: line tables only (the code is the same), so that a profiler names close.cu's lines
     return ["-std=c++17", "-lineinfo", *(f"-D{k}={v}" for k, v in defines.items())]
 
 
-def shared_bytes(cfg: PoolConfig) -> int:
-    """Dynamic shared memory of one block (the ``SM_*`` layout of ``close.cu``)."""
+def shared_bytes(cfg: PoolConfig, *, prefetch: bool = False) -> int:
+    """Dynamic shared memory of one block (the ``SM_*`` layout of ``close.cu``), with or without the staging
+    area of the next head's inputs."""
     k, v, p, r = cfg.d_k, cfg.d_v, cfg.window, cfg.compensators
     floats = p * k + p * v + r * k + r * v + k + r * v + r * k + 8 * 4 * k + 2 * k
+    if prefetch:  # the inputs as stored: codes, channel scales, log decays, records, smoothing, fp16 tokens
+        code_bits = 4 if cfg.format.code == 4 else 8
+        decays = p * (k if cfg.decay == "vector" else 1)
+        record_bytes = 2 if cfg.records == "fp16" else 4
+        floats += v * k * code_bits // 32 + v + (decays + 3) // 4 * 4 + (p * k + p * v) * record_bytes // 4
+        floats += (k if cfg.smoothing else 0) + r * (k + v) // 2
     return 4 * floats
 
 
 @functools.cache
-def _kernel(cfg: PoolConfig, device: int):
+def _kernel(cfg: PoolConfig, device: int, aligned: bool = True):
+    """The close built for ``cfg`` on ``device``, and its dynamic shared memory in bytes.  ``aligned``: every
+    pool tensor starts on 16 bytes, as the staging copies need (a pool carved out of another buffer might
+    not: it closes without them)."""
     reason = unavailable()
     if reason is not None:
         raise LeapQuantError(
             f"the CUDA close cannot be built: {reason}; use LaunchConfig(close_impl='triton')"
         )
+    shared_per_sm = torch.cuda.get_device_properties(device).shared_memory_per_multiprocessor
+    prefetch = aligned and prefetches(cfg, shared_per_sm)
+    shared = shared_bytes(cfg, prefetch=prefetch)
     with torch.cuda.device(device):
         kernel = torch.cuda._compile_kernel(
-            SOURCE.read_text(), "leapquant_close", nvcc_options=compile_options(cfg)
+            SOURCE.read_text(), "leapquant_close", nvcc_options=compile_options(cfg, prefetch=prefetch)
         )
-        kernel.set_shared_memory_config(shared_bytes(cfg))
-    return kernel
+        kernel.set_shared_memory_config(shared)
+    return kernel, shared
 
 
 def launch_cuda_close(pool: LeapQuantPool, blocks: int) -> None:
@@ -107,6 +131,7 @@ def launch_cuda_close(pool: LeapQuantPool, blocks: int) -> None:
         t.get("comp_u", dummy), t["rec_g"], t["rec_k"], t["rec_u"], t["pos"], float(SMOOTHING_FLOOR),
         float(cfg.format.qmax),
     ]  # fmt: skip
+    aligned = all(t.data_ptr() % 16 == 0 for t in pool.tensors.values())
     with torch.cuda.device(pool.device):  # the pool's device and its current stream, not the caller's device
-        kernel = _kernel(cfg, torch.cuda.current_device())
-        kernel(grid=(blocks, 1, 1), block=(THREADS, 1, 1), args=args, shared_mem=shared_bytes(cfg))
+        kernel, shared = _kernel(cfg, torch.cuda.current_device(), aligned)
+        kernel(grid=(blocks, 1, 1), block=(THREADS, 1, 1), args=args, shared_mem=shared)
