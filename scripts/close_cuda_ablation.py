@@ -9,7 +9,8 @@ close's own duration is reported beside the step's.
 
 ``--source`` times another copy of ``close.cu`` (an A/B of a kernel change on one machine: run it once with
 the copy of the old kernel and once without); ``--no-prefetch`` builds it without staging the next head
-(``LQ_PREFETCH=0``).
+(``LQ_PREFETCH=0``). A ``--source`` that predates ``LQ_PREFETCH`` is built and launched without it, so that
+it does not run with the staging area's shared memory reserved and unused.
 """
 
 from __future__ import annotations
@@ -39,13 +40,14 @@ def main() -> None:
     ap.add_argument("--no-prefetch", action="store_true", help="build with LQ_PREFETCH=0")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    if args.no_prefetch:
-        close_cuda.prefetches = lambda cfg, shared_per_sm: False
     if args.source is not None:
         source = Path(args.source)
         if not source.is_file():
             ap.error(f"--source {source}: no such file")
         close_cuda.SOURCE = source
+        args.no_prefetch |= "LQ_PREFETCH" not in source.read_text()
+    if args.no_prefetch:
+        close_cuda.prefetches = lambda cfg, shared_per_sm: False
     options = close_cuda.compile_options
     rows = []
     try:
@@ -61,7 +63,8 @@ def main() -> None:
                          overlap_close=False)  # fmt: skip
         for mask in (int(m) for m in args.masks.split(",")):
             close_cuda.compile_options = lambda cfg, *, prefetch=False, mask=mask: [
-                *options(cfg, prefetch=prefetch), f"-DLQ_ABLATE={mask}"
+                *options(cfg, prefetch=prefetch),
+                f"-DLQ_ABLATE={mask}",
             ]
             close_cuda._kernel.cache_clear()
             row = bench_variant(variant, case, launch=launch, breakdown=True)
@@ -78,7 +81,8 @@ def main() -> None:
     if args.json:
         source = str(close_cuda.SOURCE) if args.source is not None else "shipped close.cu"
         with open(args.json, "w") as f:
-            meta = {"source": source, "prefetch": "off" if args.no_prefetch else "auto"}
+            prefetch = "off" if args.no_prefetch else "where close_cuda.prefetches says"
+            meta = {"source": source, "prefetch": prefetch}
             json.dump({"provenance": provenance(cuda=True), **meta, "rows": rows}, f, indent=1)
 
 

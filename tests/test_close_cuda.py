@@ -28,10 +28,11 @@ from leapquant.ops.leapquant_decode.close_cuda import (
 GPU = torch.cuda.is_available()
 
 
-def config(family="gdn", residual="int8", window=16, rank=4, smooth=True, iters=1, heads=32, d=128, ls=False):
+def config(family="gdn", residual="int8", window=16, rank=4, smooth=True, iters=1, heads=32, d=128, ls=False,
+           records=None):  # fmt: skip
     return pool_config(heads=heads, d_k=d, d_v=d, window=window, compensators=rank, smoothing=smooth,
                       residual=residual, decay="vector" if family == "kda" else "scalar",
-                      power_iters=iters, ls=ls)  # fmt: skip
+                      power_iters=iters, ls=ls, records=records)  # fmt: skip
 
 
 def test_unsupported_pools_say_why():
@@ -85,8 +86,12 @@ def test_cuda_close_on_a_cpu_pool_is_an_error_not_a_fallback():
 
 @pytest.mark.parametrize(
     "cfg",
-    [config(), config("kda", "int4", 32, 8), config("gdn", "fp8-e4m3", 8, 0, False), config(rank=2, iters=3)],
-    ids=["gdn-int8-p16-r4", "kda-int4-p32-r8", "gdn-fp8-p8-r0", "gdn-int8-r2-3iters"],
+    [
+        config(), config("kda", "int4", 32, 8), config("gdn", "fp8-e4m3", 8, 0, False),
+        config(rank=2, iters=3), config("gdn", "int8", 6, 2), config("kda", "int8", 16, 4, records="fp32"),
+    ],
+    ids=["gdn-int8-p16-r4", "kda-int4-p32-r8", "gdn-fp8-p8-r0", "gdn-int8-r2-3iters", "gdn-int8-p6-r2",
+         "kda-int8-rec32"],
 )
 @pytest.mark.parametrize("prefetch", [False, True], ids=["direct", "prefetch"])
 def test_shared_memory_size_is_the_kernels_layout(cfg, prefetch):
@@ -141,6 +146,9 @@ GPU_CASES = [
     pytest.param("gdn", "int6", 16, 4, True, 2, id="gdn-int6-p16-r4-smooth-2iters"),
     pytest.param("gdn", "int8+ls", 16, 4, True, 1, id="gdn-int8-p16-r4-smooth-ls"),
     pytest.param("kda", "int4+ls", 16, 8, True, 1, id="kda-int4-p16-r8-smooth-ls"),
+    # a window that is not a multiple of 4: the log decays are staged in 4-byte pieces
+    pytest.param("gdn", "int8", 6, 2, True, 1, id="gdn-int8-p6-r2-smooth"),
+    pytest.param("kda", "int8+rec32", 16, 4, True, 1, id="kda-int8-p16-r4-smooth-fp32-records"),
 ]
 
 
@@ -156,6 +164,11 @@ def test_cuda_close_of_a_pool_off_16_bytes_matches(family):
     """Pool tensors that do not start on 16 bytes (carved out of another buffer) close without the staging
     copies, and as exactly."""
     _check_against_triton(family, "int8", 16, 4, True, 1, misalign=True)
+    from leapquant.ops.leapquant_decode.close_cuda import _kernel
+
+    cfg = config(family, "int8", 16, 4, True, 1)
+    device = torch.cuda.current_device()
+    assert _kernel(cfg, device, True)[1] > _kernel(cfg, device, False)[1]  # staged, and not: two kernels
 
 
 def _off_16_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -171,8 +184,10 @@ def _off_16_bytes(t: torch.Tensor) -> torch.Tensor:
 def _check_against_triton(family, residual, window, rank, smooth, iters, misalign=False):
     gen = torch.Generator(device="cuda").manual_seed(window + 10 * rank)
     hv, n, spare = 32, 40, 3  # 1280 closing heads: more than the 264 blocks, so blocks are reused
+    records = "fp32" if residual.endswith("+rec32") else None
+    residual = residual.removesuffix("+rec32")
     residual, ls = residual.removesuffix("+ls"), residual.endswith("+ls")
-    cfg = config(family, residual, window, rank, smooth, iters, heads=hv, ls=ls)
+    cfg = config(family, residual, window, rank, smooth, iters, heads=hv, ls=ls, records=records)
     slots = torch.arange(n, dtype=torch.int32, device="cuda")
     base = LeapQuantPool.allocate(cfg, n + spare, "cuda")
     load_states(base, slots, 0.3 * torch.randn(n, hv, 128, 128, generator=gen, device="cuda"))

@@ -103,8 +103,10 @@ def _kernel(cfg: PoolConfig, device: int, aligned: bool = True):
         raise LeapQuantError(
             f"the CUDA close cannot be built: {reason}; use LaunchConfig(close_impl='triton')"
         )
-    shared_per_sm = torch.cuda.get_device_properties(device).shared_memory_per_multiprocessor
-    prefetch = aligned and prefetches(cfg, shared_per_sm)
+    props = torch.cuda.get_device_properties(device)
+    # cp.async needs compute capability 8.0 (Ampere) or later
+    prefetch = aligned and (props.major, props.minor) >= (8, 0)
+    prefetch = prefetch and prefetches(cfg, props.shared_memory_per_multiprocessor)
     shared = shared_bytes(cfg, prefetch=prefetch)
     with torch.cuda.device(device):
         kernel = torch.cuda._compile_kernel(
