@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..checks import read_json, require_triton
 from ..errors import LeapQuantError
-from .args import JSON, PLOT, TRACE, count, device, input_file, output_file, typed
+from .args import JSON, PLOT, TRACE, count, device, input_file, output_file, positive_float, typed
 
 
 def _model(text: str) -> str:
@@ -70,6 +70,18 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", metavar="OUT", type=output_file("file", JSON), help="write the report as JSON")
     p.add_argument(
         "--plot", metavar="OUT.png", type=output_file("file", PLOT), help="state error per layer vs tokens"
+    )
+    p.add_argument(
+        "--checkpoint",
+        metavar="FILE.pt",
+        type=output_file("file", (".pt",)),
+        help="save the run at every curve point and, if FILE exists, go on from it (same command)",
+    )
+    p.add_argument(
+        "--time-limit",
+        metavar="SECONDS",
+        type=positive_float,
+        help="with --checkpoint: stop at the first curve point after SECONDS of decoding (exit status 75)",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=run_eval)
@@ -173,6 +185,8 @@ def run_eval(args: argparse.Namespace) -> int:
     from ..eval.model_eval import DEFAULT_EVAL_METHODS, EvalConfig, evaluate_model, load_model
     from ..eval.provenance import provenance
 
+    if args.time_limit is not None and args.checkpoint is None:
+        raise LeapQuantError("eval: --time-limit needs --checkpoint (the file the run goes on from)")
     config = EvalConfig(
         methods=tuple(args.method or DEFAULT_EVAL_METHODS),
         tokens=args.tokens,
@@ -206,6 +220,7 @@ def run_eval(args: argparse.Namespace) -> int:
             Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
 
     kwargs = dict(text=text, text_source=source, on_partial=write)
+    kwargs |= dict(checkpoint=args.checkpoint, time_limit=args.time_limit)
     try:
         if progress is None:
             report = evaluate_model(model, tokenizer, config, **kwargs)
@@ -227,6 +242,12 @@ def run_eval(args: argparse.Namespace) -> int:
     report["model"] = str(args.model)
     report["provenance"] = info
     _print_eval_table(report, args.model, config)  # before any file: a failed write loses nothing shown
+    if not report["complete"]:  # stopped at the time limit
+        if args.json:
+            write(report)
+        print(f"leapquant: stopped after {report['tokens']} of {config.tokens} tokens at the time limit; "
+              f"the same command goes on from {args.checkpoint}", file=sys.stderr)  # fmt: skip
+        return 75  # EX_TEMPFAIL: not done, run again
     for name, row in report["methods"].items():
         if "generate" in row:
             g = row["generate"]

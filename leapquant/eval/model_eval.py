@@ -156,15 +156,26 @@ def evaluate_model(
     text_source: str = "stdlib",
     on_step: Callable[[int], None] | None = None,
     on_partial: Callable[[dict], None] | None = None,
+    checkpoint: str | Path | None = None,
+    time_limit: float | None = None,
 ) -> dict:
     """Run the evaluation (see the module docstring); returns the report dict (JSON-ready).
 
     ``on_partial`` receives the report so far (``"complete": false``) at every curve point, so a run cut
     short still leaves its numbers.
+
+    ``checkpoint``: a file (:mod:`leapquant.eval.resume`) written at every curve point; if it exists when
+    the run starts, the run goes on from it (it must be of the same model, methods, settings and text).
+    ``time_limit``: seconds of this call's decoding after which the run stops at the next curve point,
+    checkpoint written, and returns its report so far (``"complete": false``); needs ``checkpoint``.
     """
     import torch
 
     from ..integrations import patch, unpatch
+    from .resume import load_checkpoint, restore_cache, save_checkpoint, snapshot_cache
+
+    if time_limit is not None and (checkpoint is None or time_limit < 0):
+        raise LeapQuantError("eval: a time limit needs a checkpoint to go on from, and must be >= 0 seconds")
 
     needed = config.prefill + config.tokens + 1
     # greedy prompts are spread over at least 4 prompt lengths each, whatever the teacher-forced length
@@ -176,6 +187,17 @@ def evaluate_model(
     ids = all_ids[:needed]
     rows = ("fp32", *config.methods)
     targets = ids.tolist()
+    identity = {
+        "model": Path(getattr(model.config, "_name_or_path", "") or type(model).__name__).name,
+        "architecture": type(model).__name__,
+        "rows": list(rows),
+        "tokens": config.tokens,
+        "prefill": config.prefill,
+        "curve_points": config.curve_points,
+        "backend": config.backend,
+        "ids": ids.cpu(),
+    }
+    saved = load_checkpoint(checkpoint, identity) if checkpoint and Path(checkpoint).exists() else None
     patched = patch(model, [config.config_of(r) for r in rows], backend=config.backend)
     batch = ids[None].repeat(len(rows), 1)
     # accumulated on the device: no host sync per token, the CPU runs ahead of the GPU
@@ -227,7 +249,8 @@ def evaluate_model(
             "prefill": config.prefill,
             "backend": config.backend,
             # wall time of the teacher-forced decode so far: what a run of N tokens will take on this machine
-            "decode_seconds": round(clock["end"] - clock["start"], 2),
+            "decode_seconds": round(clock["before"] + clock["end"] - clock["start"], 2),
+            **({"resumed_at": resumed_at} if resumed_at else {}),
             "text": {"source": text_source, "files": files[:50], "tokens_used": config.prefill + n + 1},
             "fp32": {"nll": float(nll[0] / n), "bits_per_token": float(nll[0] / n) / 0.6931471805599453},
             "linear_attention_layers": patched.layers,
@@ -244,13 +267,25 @@ def evaluate_model(
             },
         }
 
-    clock = {"start": time.perf_counter()}
+    clock = {"start": time.perf_counter(), "before": 0.0}
+    resumed_at: list[int] = []
     try:
         with torch.inference_mode():
             stream = CachedStream(model)
             cache = stream.cache
             stream(batch[:, : config.prefill])
-            for step in range(config.tokens):
+            first = 0
+            if saved is not None:  # the prefill built every state; overwrite them with the saved ones
+                restore_cache(cache, saved["cache"], model.device)
+                patched.restore(cache, saved["states"])
+                stream.position = saved["position"]
+                for acc, value in zip((kl, nll, agree), saved["sums"], strict=True):
+                    acc.copy_(value)
+                running[:] = [tuple(r) for r in saved["running"]]
+                curves.update({int(k): v for k, v in saved["curves"].items()})
+                first, clock["before"] = saved["step"], saved["decode_seconds"]
+                resumed_at = [*saved["resumed_at"], first]
+            for step in range(first, config.tokens):
                 t = config.prefill + step
                 logits = stream(batch[:, t : t + 1]).logits[:, -1]
                 logp = torch.log_softmax(logits.double(), dim=-1)
@@ -262,9 +297,20 @@ def evaluate_model(
                     states = patched.states(cache)
                     for layer, st in states.items():
                         curves.setdefault(layer, []).append([_rel(st[i], st[0]) for i in range(len(rows))])
+                    clock["end"] = time.perf_counter()
+                    if checkpoint is not None and step + 1 < config.tokens:
+                        save_checkpoint(checkpoint, {
+                            "identity": identity, "step": step + 1, "position": stream.position,
+                            "sums": [kl, nll, agree], "running": running, "curves": curves,
+                            "decode_seconds": clock["before"] + clock["end"] - clock["start"],
+                            "resumed_at": resumed_at, "cache": snapshot_cache(cache),
+                            "states": patched.snapshot(cache),
+                        })  # fmt: skip
                     if on_partial is not None and step + 1 < config.tokens:
-                        clock["end"] = time.perf_counter()
                         on_partial(report(step + 1, states, {}))
+                    out_of_time = time_limit is not None and clock["end"] - clock["start"] >= time_limit
+                    if out_of_time and step + 1 < config.tokens:
+                        return report(step + 1, states, {})
                 if on_step is not None:
                     on_step(1)
             final = patched.states(cache)

@@ -60,6 +60,15 @@ class NativeState:
     def materialize(self) -> torch.Tensor:
         return self.state.clone()
 
+    def snapshot(self) -> dict:
+        """What :meth:`restore` needs to go on bit for bit (tensors not copied)."""
+        return {"state": self.state}
+
+    def restore(self, snap: dict) -> None:
+        """Take a :meth:`snapshot` of a state of the same method and shape: in place, so that a captured
+        graph reading this state's tensors stays valid."""
+        _copy_into(self.state, snap["state"], "state")
+
     def select_rows(self, rows: torch.Tensor) -> None:
         self.state = self.state[rows]
 
@@ -115,10 +124,29 @@ class DequantizedState(NativeState):
     def load(self, state: torch.Tensor) -> None:
         self.state = self._round_trip(state.float()).clone()  # its own tensor, updated in place from now
 
+    def snapshot(self) -> dict:
+        window = self._window  # a scratch rebuilt at every round trip, but for stochastic rounding's draws
+        generator = None if window is None or window.generator is None else window.generator.get_state()
+        return {"state": self.state, "generator": generator}
+
+    def restore(self, snap: dict) -> None:
+        super().restore(snap)
+        if snap["generator"] is not None:
+            self._window.generator.set_state(snap["generator"])
+
     def step(self, q, k, v, g, beta, use_qk_l2norm: bool = True) -> torch.Tensor:
         out = super().step(q, k, v, g, beta, use_qk_l2norm)
         self.state.copy_(self._round_trip(self.state))
         return out
+
+
+def _copy_into(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if dst.shape != src.shape or dst.dtype != src.dtype:
+        raise LeapQuantError(
+            f"snapshot: saved {name} is {tuple(src.shape)} {src.dtype}, "
+            f"this state's {tuple(dst.shape)} {dst.dtype}"
+        )
+    dst.copy_(src)
 
 
 def _capture(fn: Callable, static_in: tuple, warmup: int = 0):
@@ -177,6 +205,16 @@ class ReferenceState:
 
     def materialize(self) -> torch.Tensor:
         return self.window.materialize().reshape(self.shape).float()
+
+    def snapshot(self) -> dict:
+        return {"shape": self.shape, "window": self.window.snapshot()}
+
+    def restore(self, snap: dict) -> None:
+        if tuple(snap["shape"]) != self.shape:
+            raise LeapQuantError(
+                f"snapshot: saved state of shape {tuple(snap['shape'])}, this one {self.shape}"
+            )
+        self.window.restore(snap["window"])
 
     def select_rows(self, rows: torch.Tensor) -> None:
         _, hv, d_k, d_v = self.shape
@@ -290,6 +328,30 @@ class KernelState:
         if isinstance(self.pool, PerStepPool):
             return self.pool.materialize(self.slots)
         return materialize_states(self.pool, self.slots)
+
+    def _pool_tensors(self) -> dict[str, torch.Tensor]:
+        from ..ops.per_step_decode import PerStepPool
+
+        if isinstance(self.pool, PerStepPool):
+            return {
+                "state": self.pool.state,
+                **({"scale": self.pool.scale} if self.pool.scale is not None else {}),
+            }
+        return dict(self.pool.tensors)
+
+    def snapshot(self) -> dict:
+        return {"slots": self.slots, "pool": self._pool_tensors()}
+
+    def restore(self, snap: dict) -> None:
+        # in place: the captured step graph keeps addressing the pool's tensors
+        _copy_into(self.slots, snap["slots"], "slots")
+        mine = self._pool_tensors()
+        if set(mine) != set(snap["pool"]):
+            raise LeapQuantError(
+                f"snapshot: saved pool tensors {sorted(snap['pool'])}, this pool {sorted(mine)}"
+            )
+        for name, t in mine.items():
+            _copy_into(t, snap["pool"][name], name)
 
     def select_rows(self, rows: torch.Tensor) -> None:
         from ..ops.per_step_decode import PerStepPool

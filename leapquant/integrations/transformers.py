@@ -277,6 +277,18 @@ class _RowGroups:
     def materialize(self) -> torch.Tensor:
         return torch.cat([st.materialize() for st in self.states])
 
+    def snapshot(self) -> dict:
+        return {"size": self.size, "states": [st.snapshot() for st in self.states]}
+
+    def restore(self, snap: dict) -> None:
+        if snap["size"] != self.size or len(snap["states"]) != len(self.states):
+            raise LeapQuantError(
+                f"snapshot: saved {len(snap['states'])} groups of {snap['size']} rows, this layer "
+                f"{len(self.states)} of {self.size}"
+            )
+        for st, saved in zip(self.states, snap["states"], strict=True):
+            st.restore(saved)
+
     def select_rows(self, rows: torch.Tensor) -> None:
         # the states' tensors are replaced below: graphs addressing them go first, even if a check fails
         self._chunk_graphs.clear()
@@ -409,6 +421,25 @@ class LeapQuantPatch:
                 "this cache holds no LeapQuant state (run a prefill through the patched model)"
             )
         return {idx: groups.materialize() for idx, groups in sorted(store.items())}
+
+    def snapshot(self, cache) -> dict[int, dict]:
+        """Every patched layer's method states in ``cache`` (tensors not copied): what :meth:`restore`
+        needs to go on bit for bit (``leapquant eval --checkpoint`` saves it)."""
+        store = getattr(cache, _STATES_ATTR, None)
+        if not store:
+            raise LeapQuantError(
+                "this cache holds no LeapQuant state (run a prefill through the patched model)"
+            )
+        return {idx: groups.snapshot() for idx, groups in sorted(store.items())}
+
+    def restore(self, cache, snap: dict[int, dict]) -> None:
+        """Put a :meth:`snapshot` back into ``cache``, whose states a prefill of the same batch under the
+        same methods built (their tensors are overwritten in place)."""
+        store = getattr(cache, _STATES_ATTR, None) or {}
+        if sorted(store) != sorted(snap):
+            raise LeapQuantError(f"snapshot: saved layers {sorted(snap)}, this cache's {sorted(store)}")
+        for idx, saved in snap.items():
+            store[idx].restore(saved)
 
     def set_recorder(self, recorder: Callable | None) -> None:
         """Call ``recorder(layer_idx, q, k, v, g, beta, use_qk_l2norm)`` on every kernel call (traces)."""

@@ -128,6 +128,41 @@ class WindowedState:
                 setattr(self, name, value[heads])
         self.batch = heads.numel()
 
+    _SNAPSHOT = (
+        "rec_a",
+        "rec_k",
+        "rec_u",
+        "comp_k",
+        "comp_u",
+        "residual",
+        "smooth",
+        "count",
+        "quantizations",
+    )
+
+    def snapshot(self) -> dict:
+        """Everything that evolves as tokens arrive (records, tokens, boundary, counters, the rounding
+        generator's state): what :meth:`restore` needs to go on bit for bit.  Tensors are not copied."""
+        snap = {name: getattr(self, name) for name in self._SNAPSHOT}
+        snap["batch"] = self.batch
+        snap["generator"] = None if self.generator is None else self.generator.get_state()
+        return snap
+
+    def restore(self, snap: dict) -> None:
+        """Take the state :meth:`snapshot` saved (from a state of the same method and head size)."""
+        for name in self._SNAPSHOT:
+            value = snap[name]
+            setattr(
+                self, name, value.to(self.device, self.dtype) if isinstance(value, torch.Tensor) else value
+            )
+        self.batch = snap["batch"]
+        if (snap["generator"] is None) != (self.generator is None):
+            raise LeapQuantError(
+                "snapshot: the saved state's rounding is not this state's (stochastic or not)"
+            )
+        if self.generator is not None:
+            self.generator.set_state(snap["generator"])
+
     # -- reads --------------------------------------------------------------------------------------
     def _decays(self) -> torch.Tensor:
         """``[batch, count + 1, d_k]``: entry 0 is Gamma_{1:l}, entry j is Gamma_{j+1:l} (j = 1..l)."""
