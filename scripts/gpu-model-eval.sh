@@ -3,6 +3,11 @@
 # ablation and the 8/6/4-bit comparison of its Table 1 (each split over two processes), side by side (each
 # process is bound by kernel launches, the GPU and 16 cores have room for all of them). Every process writes
 # its JSON at each of 32 curve points, so a run cut by EVAL_SECONDS keeps what it measured ("complete": false).
+# CHECKPOINTS=DIR (e.g. .eval-checkpoints, ignored by git, so that it stays on a warm device machine between
+# calls): each process also saves its run there (leapquant eval --checkpoint) and stops at the first curve
+# point after EVAL_SECONDS - STOP_MARGIN seconds; the same command in the next call goes on from there, and
+# a process whose run is complete writes its report again at once. Runs of 64K tokens, ~22 minutes a process
+# on an H100, then take three calls.
 set -uo pipefail
 out=${OUT:-out}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -32,7 +37,13 @@ bits4a="-m int4 -m mxfp4 -m nvfp4 -m kvquant-int4"; bits4b="-m quarot-int4 -m tu
 pids=()
 for model in ${MODELS:-qwen35-gdn-hybrid-byte kimi-kda-hybrid-byte}; do
   for table in ${TABLES:-table2 bits8a bits8b bits6a bits6b bits4a bits4b}; do
-    timeout "${EVAL_SECONDS:-480}" python3 -m leapquant eval --model "$model" ${!table} \
+    resume=()
+    if [ -n "${CHECKPOINTS:-}" ]; then
+      mkdir -p "$CHECKPOINTS"
+      resume=(--checkpoint "$CHECKPOINTS/eval-$model-$table.pt" \
+              --time-limit $(( ${EVAL_SECONDS:-480} - ${STOP_MARGIN:-120} )))
+    fi
+    timeout "${EVAL_SECONDS:-480}" python3 -m leapquant eval --model "$model" ${!table} "${resume[@]}" \
       --tokens "$tokens" --quiet --json "$out/eval-$model-$table.json" > "$out/eval-$model-$table.log" 2>&1 &
     pids+=($!)
   done

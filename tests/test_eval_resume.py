@@ -35,6 +35,7 @@ def _in_three_calls(model, tok, cfg, checkpoint) -> dict:
     last = evaluate_model(model, tok, cfg, checkpoint=checkpoint)
     assert last["complete"] and last["tokens"] == cfg.tokens
     assert last["resumed_at"] == [first["tokens"], second["tokens"]]
+    assert evaluate_model(model, tok, cfg, checkpoint=checkpoint) == last  # done: the saved report
     return last
 
 
@@ -83,6 +84,7 @@ def test_a_checkpoint_of_another_run_is_refused(tmp_path):
         (EvalConfig(methods=("int6",), tokens=8, prefill=8, curve_points=2), "rows"),
         (EvalConfig(methods=("int8",), tokens=16, prefill=8, curve_points=2), "tokens"),
         (EvalConfig(methods=("int8",), tokens=8, prefill=4, curve_points=2), "prefill"),
+        (EvalConfig(methods=("int8",), tokens=8, prefill=8, curve_points=2, generate=("int8",)), "generate"),
     ]:
         with pytest.raises(LeapQuantError, match=f"is of another run: {field}"):
             evaluate_model(model, tok, other, checkpoint=path)

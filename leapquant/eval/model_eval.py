@@ -166,6 +166,7 @@ def evaluate_model(
 
     ``checkpoint``: a file (:mod:`leapquant.eval.resume`) written at every curve point; if it exists when
     the run starts, the run goes on from it (it must be of the same model, methods, settings and text).
+    A finished run leaves only its report there, which the same call then returns at once.
     ``time_limit``: seconds of this call's decoding after which the run stops at the next curve point,
     checkpoint written, and returns its report so far (``"complete": false``); needs ``checkpoint``.
     """
@@ -195,9 +196,13 @@ def evaluate_model(
         "prefill": config.prefill,
         "curve_points": config.curve_points,
         "backend": config.backend,
+        "generate": list(config.generate),
+        "generate_tokens": config.generate_tokens,
         "ids": ids.cpu(),
     }
     saved = load_checkpoint(checkpoint, identity) if checkpoint and Path(checkpoint).exists() else None
+    if saved is not None and saved.get("report") is not None:
+        return saved["report"]  # the run was complete: its report, not a second run
     patched = patch(model, [config.config_of(r) for r in rows], backend=config.backend)
     batch = ids[None].repeat(len(rows), 1)
     # accumulated on the device: no host sync per token, the CPU runs ahead of the GPU
@@ -319,7 +324,10 @@ def evaluate_model(
             generated = {m: _greedy_against_fp32(model, all_ids, m, config) for m in config.generate}
     finally:
         unpatch(model)
-    return report(config.tokens, final, generated)
+    finished = report(config.tokens, final, generated)
+    if checkpoint is not None:  # the report alone: a rerun of the command returns it without decoding
+        save_checkpoint(checkpoint, {"identity": identity, "step": config.tokens, "report": finished})
+    return finished
 
 
 GREEDY_PROMPTS = 8
