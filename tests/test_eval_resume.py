@@ -39,23 +39,47 @@ def _in_three_calls(model, tok, cfg, checkpoint) -> dict:
     return last
 
 
+METHODS = ("leapquant-int8", "int8", "int4/w16+ct8+smooth+ls", "int8+sr", "int8/w16+sr")
+
+
 @pytest.mark.parametrize("name", ["qwen35-gdn-hybrid-byte", "kimi-kda-hybrid-byte"], ids=["gdn", "kda"])
 def test_a_resumed_run_equals_one_that_never_stopped(name, tmp_path):
     model, tok = load_model(name, "cpu")
-    # fp32 (the model's own state), the reference window with and without least-squares scales, and a
-    # per-step format as the model's step plus a round trip; two of the 8 layers are attention
-    cfg = EvalConfig(
-        methods=("leapquant-int8", "int8", "int4/w16+ct8+smooth+ls"), tokens=24, prefill=16, curve_points=4
-    )
+    # fp32 (the model's own state), the reference window with and without least-squares scales, a per-step
+    # format as the model's step plus a round trip, and stochastic rounding (draws from torch's generator)
+    # in both; two of the 8 layers are attention. Windows of 16 close before and after each stop.
+    cfg = EvalConfig(methods=METHODS, tokens=36, prefill=16, curve_points=3)
+    torch.manual_seed(0)
     straight = evaluate_model(model, tok, cfg)
+    torch.manual_seed(0)
     _same_scores(straight, _in_three_calls(model, tok, cfg, tmp_path / "run.pt"))
 
 
 def test_a_resumed_kernel_pool_equals_one_that_never_stopped(tmp_path):
     model, tok = load_model("qwen35-gdn-tiny-recall-byte", "cpu")
-    cfg = EvalConfig(methods=("leapquant-int8",), tokens=9, prefill=8, curve_points=3, backend="triton")
+    cfg = EvalConfig(methods=("leapquant-int8",), tokens=36, prefill=8, curve_points=3, backend="triton")
     straight = evaluate_model(model, tok, cfg)
     _same_scores(straight, _in_three_calls(model, tok, cfg, tmp_path / "run.pt"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs of the kernel pools")
+def test_a_resumed_run_on_a_gpu_equals_one_that_never_stopped(tmp_path):
+    """On CUDA the kernel pools and round trips replay captured graphs that address their tensors: the
+    restore must write into those tensors, not replace them."""
+    model, tok = load_model("qwen35-gdn-hybrid-byte", "cuda")
+    methods = ("leapquant-int8", "leapquant-int4", "int8")
+    cfg = EvalConfig(methods=methods, tokens=48, prefill=16, curve_points=3)
+    straight = evaluate_model(model, tok, cfg)
+    _same_scores(straight, _in_three_calls(model, tok, cfg, tmp_path / "run.pt"))
+
+
+def test_a_time_limit_at_the_last_curve_point_finishes_the_run(tmp_path):
+    model, tok = load_model("qwen35-gdn-tiny-recall-byte", "cpu")
+    cfg = EvalConfig(
+        methods=("int8",), tokens=8, prefill=8, curve_points=1, generate=("int8",), generate_tokens=4
+    )
+    report = evaluate_model(model, tok, cfg, checkpoint=tmp_path / "run.pt", time_limit=0)
+    assert report["complete"] and report["methods"]["int8"]["generate"]["tokens"] == 4
 
 
 def test_the_checkpoint_is_what_the_run_goes_on_from(tmp_path):

@@ -173,10 +173,12 @@ def evaluate_model(
     import torch
 
     from ..integrations import patch, unpatch
-    from .resume import load_checkpoint, restore_cache, save_checkpoint, snapshot_cache
+    from . import resume
 
-    if time_limit is not None and (checkpoint is None or time_limit < 0):
-        raise LeapQuantError("eval: a time limit needs a checkpoint to go on from, and must be >= 0 seconds")
+    if time_limit is not None and checkpoint is None:
+        raise LeapQuantError("eval: a time limit needs a checkpoint, the file the run goes on from")
+    if time_limit is not None and not time_limit >= 0:
+        raise LeapQuantError(f"eval: the time limit must be >= 0 seconds, got {time_limit}")
 
     needed = config.prefill + config.tokens + 1
     # greedy prompts are spread over at least 4 prompt lengths each, whatever the teacher-forced length
@@ -188,19 +190,8 @@ def evaluate_model(
     ids = all_ids[:needed]
     rows = ("fp32", *config.methods)
     targets = ids.tolist()
-    identity = {
-        "model": Path(getattr(model.config, "_name_or_path", "") or type(model).__name__).name,
-        "architecture": type(model).__name__,
-        "rows": list(rows),
-        "tokens": config.tokens,
-        "prefill": config.prefill,
-        "curve_points": config.curve_points,
-        "backend": config.backend,
-        "generate": list(config.generate),
-        "generate_tokens": config.generate_tokens,
-        "ids": ids.cpu(),
-    }
-    saved = load_checkpoint(checkpoint, identity) if checkpoint and Path(checkpoint).exists() else None
+    identity = resume.run_identity(model, config, ids)
+    saved = resume.load_checkpoint(checkpoint, identity) if checkpoint and Path(checkpoint).exists() else None
     if saved is not None and saved.get("report") is not None:
         return saved["report"]  # the run was complete: its report, not a second run
     patched = patch(model, [config.config_of(r) for r in rows], backend=config.backend)
@@ -281,8 +272,9 @@ def evaluate_model(
             stream(batch[:, : config.prefill])
             first = 0
             if saved is not None:  # the prefill built every state; overwrite them with the saved ones
-                restore_cache(cache, saved["cache"], model.device)
+                resume.restore_cache(cache, saved["cache"], model.device)
                 patched.restore(cache, saved["states"])
+                resume.restore_rng(saved["rng"], model.device)
                 stream.position = saved["position"]
                 for acc, value in zip((kl, nll, agree), saved["sums"], strict=True):
                     acc.copy_(value)
@@ -290,6 +282,9 @@ def evaluate_model(
                 curves.update({int(k): v for k, v in saved["curves"].items()})
                 first, clock["before"] = saved["step"], saved["decode_seconds"]
                 resumed_at = [*saved["resumed_at"], first]
+                saved = None  # restored: its tensors (a whole KV cache) need not stay in memory
+                if on_step is not None:
+                    on_step(first)
             for step in range(first, config.tokens):
                 t = config.prefill + step
                 logits = stream(batch[:, t : t + 1]).logits[:, -1]
@@ -304,12 +299,12 @@ def evaluate_model(
                         curves.setdefault(layer, []).append([_rel(st[i], st[0]) for i in range(len(rows))])
                     clock["end"] = time.perf_counter()
                     if checkpoint is not None and step + 1 < config.tokens:
-                        save_checkpoint(checkpoint, {
+                        resume.save_checkpoint(checkpoint, {
                             "identity": identity, "step": step + 1, "position": stream.position,
                             "sums": [kl, nll, agree], "running": running, "curves": curves,
                             "decode_seconds": clock["before"] + clock["end"] - clock["start"],
-                            "resumed_at": resumed_at, "cache": snapshot_cache(cache),
-                            "states": patched.snapshot(cache),
+                            "resumed_at": resumed_at, "cache": resume.snapshot_cache(cache),
+                            "states": patched.snapshot(cache), "rng": resume.snapshot_rng(model.device),
                         })  # fmt: skip
                     if on_partial is not None and step + 1 < config.tokens:
                         on_partial(report(step + 1, states, {}))
@@ -326,7 +321,7 @@ def evaluate_model(
         unpatch(model)
     finished = report(config.tokens, final, generated)
     if checkpoint is not None:  # the report alone: a rerun of the command returns it without decoding
-        save_checkpoint(checkpoint, {"identity": identity, "step": config.tokens, "report": finished})
+        resume.save_checkpoint(checkpoint, {"identity": identity, "step": config.tokens, "report": finished})
     return finished
 
 

@@ -124,15 +124,6 @@ class DequantizedState(NativeState):
     def load(self, state: torch.Tensor) -> None:
         self.state = self._round_trip(state.float()).clone()  # its own tensor, updated in place from now
 
-    def snapshot(self) -> dict:
-        window = self._window  # a scratch rebuilt at every round trip, but for stochastic rounding's draws
-        generator = None if window is None or window.generator is None else window.generator.get_state()
-        return {"state": self.state, "generator": generator}
-
-    def restore(self, snap: dict) -> None:
-        super().restore(snap)
-        if snap["generator"] is not None:
-            self._window.generator.set_state(snap["generator"])
 
     def step(self, q, k, v, g, beta, use_qk_l2norm: bool = True) -> torch.Tensor:
         out = super().step(q, k, v, g, beta, use_qk_l2norm)
@@ -207,9 +198,11 @@ class ReferenceState:
         return self.window.materialize().reshape(self.shape).float()
 
     def snapshot(self) -> dict:
+        """The windowed state's evolving tensors and counters (:meth:`WindowedState.snapshot`)."""
         return {"shape": self.shape, "window": self.window.snapshot()}
 
     def restore(self, snap: dict) -> None:
+        """Take a :meth:`snapshot` of a state of the same method and shape."""
         if tuple(snap["shape"]) != self.shape:
             raise LeapQuantError(
                 f"snapshot: saved state of shape {tuple(snap['shape'])}, this one {self.shape}"
@@ -340,10 +333,12 @@ class KernelState:
         return dict(self.pool.tensors)
 
     def snapshot(self) -> dict:
+        """The pool's tensors (codes, scales, records, tokens, window positions) and slots."""
         return {"slots": self.slots, "pool": self._pool_tensors()}
 
     def restore(self, snap: dict) -> None:
-        # in place: the captured step graph keeps addressing the pool's tensors
+        """Take a :meth:`snapshot` of a pool of the same method and shape, in place: the captured step
+        graph keeps addressing the pool's tensors."""
         _copy_into(self.slots, snap["slots"], "slots")
         mine = self._pool_tensors()
         if set(mine) != set(snap["pool"]):

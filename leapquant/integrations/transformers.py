@@ -278,13 +278,20 @@ class _RowGroups:
         return torch.cat([st.materialize() for st in self.states])
 
     def snapshot(self) -> dict:
-        return {"size": self.size, "states": [st.snapshot() for st in self.states]}
+        """Each group's state snapshot, named by its kind (fp32, round trip, reference, kernel pool)."""
+        return {
+            "size": self.size,
+            "kinds": [type(st).__name__ for st in self.states],
+            "states": [st.snapshot() for st in self.states],
+        }
 
     def restore(self, snap: dict) -> None:
-        if snap["size"] != self.size or len(snap["states"]) != len(self.states):
+        """Take a :meth:`snapshot` of a layer with the same groups of rows under the same kinds of state."""
+        kinds = [type(st).__name__ for st in self.states]
+        if snap["size"] != self.size or snap["kinds"] != kinds:
             raise LeapQuantError(
-                f"snapshot: saved {len(snap['states'])} groups of {snap['size']} rows, this layer "
-                f"{len(self.states)} of {self.size}"
+                f"snapshot: saved {snap['kinds']} over groups of {snap['size']} rows, this layer {kinds} "
+                f"over {self.size} (another device or backend?)"
             )
         for st, saved in zip(self.states, snap["states"], strict=True):
             st.restore(saved)

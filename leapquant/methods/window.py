@@ -151,10 +151,14 @@ class WindowedState:
     def restore(self, snap: dict) -> None:
         """Take the state :meth:`snapshot` saved (from a state of the same method and head size)."""
         for name in self._SNAPSHOT:
-            value = snap[name]
-            setattr(
-                self, name, value.to(self.device, self.dtype) if isinstance(value, torch.Tensor) else value
-            )
+            value, now = snap[name], getattr(self, name)
+            if isinstance(value, torch.Tensor):
+                if isinstance(now, torch.Tensor) and now.shape != value.shape:
+                    raise LeapQuantError(
+                        f"snapshot: saved {name} is {tuple(value.shape)}, this state's {tuple(now.shape)}"
+                    )
+                value = value.to(self.device, self.dtype, copy=True)
+            setattr(self, name, value)
         self.batch = snap["batch"]
         if (snap["generator"] is None) != (self.generator is None):
             raise LeapQuantError(
