@@ -114,6 +114,13 @@ def test_a_checkpoint_of_another_run_is_refused(tmp_path):
             evaluate_model(model, tok, other, checkpoint=path)
     with pytest.raises(LeapQuantError, match="the token ids differ"):
         evaluate_model(model, tok, cfg, text="x = 1\n" * 200, checkpoint=path)
+    weight = next(model.parameters())
+    kept = weight.detach().clone()
+    with torch.no_grad():
+        weight[0] += 1.0  # other weights under the same folder name
+        with pytest.raises(LeapQuantError, match="is of another run: weights: they differ"):
+            evaluate_model(model, tok, cfg, checkpoint=path)
+        weight.copy_(kept)
     assert path.read_bytes() == before  # a refused run leaves the checkpoint as it was
     path.write_text("not a checkpoint")
     with pytest.raises(LeapQuantError, match="not a leapquant eval checkpoint"):

@@ -190,7 +190,8 @@ def evaluate_model(
     ids = all_ids[:needed]
     rows = ("fp32", *config.methods)
     targets = ids.tolist()
-    identity = resume.run_identity(model, config, ids)
+    # a checkpoint's identity fingerprints the weights: computed only for runs that keep one
+    identity = resume.run_identity(model, config, ids) if checkpoint is not None else None
     saved = resume.load_checkpoint(checkpoint, identity) if checkpoint and Path(checkpoint).exists() else None
     if saved is not None and saved.get("report") is not None:
         return saved["report"]  # the run was complete: its report, not a second run

@@ -124,7 +124,6 @@ class DequantizedState(NativeState):
     def load(self, state: torch.Tensor) -> None:
         self.state = self._round_trip(state.float()).clone()  # its own tensor, updated in place from now
 
-
     def step(self, q, k, v, g, beta, use_qk_l2norm: bool = True) -> torch.Tensor:
         out = super().step(q, k, v, g, beta, use_qk_l2norm)
         self.state.copy_(self._round_trip(self.state))
