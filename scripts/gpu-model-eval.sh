@@ -43,7 +43,7 @@ for model in ${MODELS:-qwen35-gdn-hybrid-byte kimi-kda-hybrid-byte}; do
       resume=(--checkpoint "$CHECKPOINTS/eval-$model-$table.pt" \
               --time-limit $(( ${EVAL_SECONDS:-480} - ${STOP_MARGIN:-120} )))
     fi
-    timeout "${EVAL_SECONDS:-480}" python3 -m leapquant eval --model "$model" ${!table} "${resume[@]}" \
+    timeout "${EVAL_SECONDS:-480}" python3 -m leapquant eval --model "$model" ${!table} "${resume[@]}" ${CHUNK:+--chunk $CHUNK} \
       --tokens "$tokens" --quiet --json "$out/eval-$model-$table.json" > "$out/eval-$model-$table.log" 2>&1 &
     pids+=($!)
   done

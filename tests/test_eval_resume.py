@@ -108,6 +108,7 @@ def test_a_checkpoint_of_another_run_is_refused(tmp_path):
         (EvalConfig(methods=("int6",), tokens=8, prefill=8, curve_points=2), "rows"),
         (EvalConfig(methods=("int8",), tokens=16, prefill=8, curve_points=2), "tokens"),
         (EvalConfig(methods=("int8",), tokens=8, prefill=4, curve_points=2), "prefill"),
+        (EvalConfig(methods=("int8",), tokens=8, prefill=8, curve_points=2, chunk=3), "chunk"),
         (EvalConfig(methods=("int8",), tokens=8, prefill=8, curve_points=2, generate=("int8",)), "generate"),
     ]:
         with pytest.raises(LeapQuantError, match=f"is of another run: {field}"):

@@ -107,6 +107,43 @@ def test_eval_report(tiny_dir):
     assert rep["fp32"]["nll"] == pytest.approx(float(nll), rel=1e-5)
 
 
+@pytest.mark.parametrize("chunk", [5, 256], ids=["chunk5", "chunk256"])
+def test_chunked_calls_score_what_a_call_per_token_scores(tiny_dir, chunk):
+    """Chunks change only how many tokens a model call takes: each method state still steps token by
+    token, chunks end at the curve points, and the scores equal a call per token's to rounding (the
+    attention layers and MLPs sum in another order over a chunk)."""
+    model, tok = load_model(tiny_dir, "cpu")
+    methods = ("int8", "leapquant-int8", "int4/w16+ct8+smooth")
+    calls = []
+    hook = model.register_forward_pre_hook(
+        lambda _m, args, kw: calls.append((args[0] if args else kw["input_ids"]).shape[1]), with_kwargs=True
+    )
+    try:
+        reps = {}
+        for c in (1, chunk):
+            calls.clear()
+            done = []
+            cfg = EvalConfig(methods=methods, tokens=40, prefill=8, curve_points=3, backend="reference",
+                             chunk=c)  # fmt: skip
+            reps[c] = evaluate_model(model, tok, cfg, on_step=done.append)
+            assert sum(done) == 40 and calls[0] == 8  # the prefill, then the chunks
+            assert sum(calls[1:]) == 40 and max(calls[1:]) <= c
+    finally:
+        hook.remove()
+    # the chunks end at the curve points 13, 27 and 40
+    ends = [sum(calls[1 : i + 2]) for i in range(len(calls) - 1)]
+    assert {13, 27, 40} <= set(ends) and len(calls) - 1 == (3 if chunk == 256 else 9)
+    one, many = reps[1], reps[chunk]
+    assert many["chunk"] == chunk and one["chunk"] == 1
+    assert many["curves"]["tokens"] == one["curves"]["tokens"] == [13, 27, 40]
+    assert many["fp32"]["nll"] == pytest.approx(one["fp32"]["nll"], rel=1e-6)
+    for name in methods:
+        a, b = one["methods"][name], many["methods"][name]
+        assert b["nll"] == pytest.approx(a["nll"], rel=1e-3)
+        assert b["state_rel_err"] == pytest.approx(a["state_rel_err"], rel=2e-2)
+        assert b["kl"] == pytest.approx(a["kl"], rel=0.1)
+
+
 def test_eval_cli(tiny_dir, tmp_path, capsys):
     out, png = tmp_path / "r.json", tmp_path / "r.png"
     rc = main(

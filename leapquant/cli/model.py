@@ -32,7 +32,7 @@ TRACE_LIMIT_GIB = 1.0
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     from ..checkpoints import DEFAULT_CHECKPOINT, checkpoint_names
-    from ..eval.model_eval import DEFAULT_EVAL_METHODS
+    from ..eval.model_eval import DEFAULT_EVAL_METHODS, EvalConfig
 
     model_help = (
         f"a shipped checkpoint's name or a transformers model folder (default {DEFAULT_CHECKPOINT}; "
@@ -52,6 +52,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--tokens", type=count(), default=1024, help="decode steps scored (default 1024)")
     p.add_argument("--prefill", type=count(), default=64, help="prompt tokens before decoding (default 64)")
+    p.add_argument(
+        "--chunk",
+        type=count(),
+        default=EvalConfig.chunk,
+        help="teacher-forced tokens per model call; the method states still take them one by one (default "
+        f"{EvalConfig.chunk}; 1: a model call per token)",
+    )
     p.add_argument(
         "--text", metavar="FILE", type=input_file("file"), help="evaluate on this text (default: stdlib)"
     )
@@ -191,6 +198,7 @@ def run_eval(args: argparse.Namespace) -> int:
         methods=tuple(args.method or DEFAULT_EVAL_METHODS),
         tokens=args.tokens,
         prefill=args.prefill,
+        chunk=args.chunk,
         generate=tuple(args.generate),
         generate_tokens=args.generate_tokens,
         backend=args.backend,

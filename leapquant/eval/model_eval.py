@@ -44,6 +44,8 @@ __all__ = [
 ]
 
 DEFAULT_MODEL = checkpoint_path(DEFAULT_CHECKPOINT)
+# positions of a chunk scored together: float64 log-probabilities of every row over the vocabulary
+_SCORED_AT_ONCE = 64
 DEFAULT_EVAL_METHODS = ("bf16", "bf16/w16", "int8", "int8/w16", "int8/w16+ct4", "leapquant-int8")
 
 
@@ -58,6 +60,11 @@ class EvalConfig:
         curve_points: how many times the per-layer state error is sampled along the run.
         generate: methods to also run free-running greedy against FP32, for ``generate_tokens`` tokens.
         backend: ``auto`` / ``reference`` / ``reference64`` / ``triton`` (see :func:`leapquant.patch`).
+        chunk: teacher-forced tokens per model call. Every method state still takes them one at a time
+            (the patched layers step through a chunk token by token), so the scores are those of a
+            token-by-token decode; the attention layers, MLPs and the scoring run over the chunk at once,
+            which takes the per-token host work of transformers' modules off the loop. ``1`` calls the
+            model once per token. Chunks end at the curve points, where states are read and saved.
     """
 
     methods: tuple[str, ...] = DEFAULT_EVAL_METHODS
@@ -67,6 +74,7 @@ class EvalConfig:
     generate: tuple[str, ...] = ()
     generate_tokens: int = 256
     backend: str = "auto"
+    chunk: int = 256
 
     def __post_init__(self) -> None:
         from ..methods import load_plan, parse_method
@@ -80,7 +88,7 @@ class EvalConfig:
             for m in ("fp32", *self.methods, *self.generate)
         }
         object.__setattr__(self, "_configs", configs)
-        for name in ("tokens", "prefill", "curve_points", "generate_tokens"):
+        for name in ("tokens", "prefill", "curve_points", "generate_tokens", "chunk"):
             if getattr(self, name) < 1:
                 raise LeapQuantError(f"eval: {name} must be >= 1, got {getattr(self, name)}")
 
@@ -189,7 +197,6 @@ def evaluate_model(
     all_ids = torch.tensor(_encode(tokenizer, text, text_needed, text_source), device=model.device)
     ids = all_ids[:needed]
     rows = ("fp32", *config.methods)
-    targets = ids.tolist()
     # a checkpoint's identity fingerprints the weights: computed only for runs that keep one
     identity = resume.run_identity(model, config, ids) if checkpoint is not None else None
     saved = resume.load_checkpoint(checkpoint, identity) if checkpoint and Path(checkpoint).exists() else None
@@ -245,6 +252,7 @@ def evaluate_model(
             "complete": n == config.tokens,
             "prefill": config.prefill,
             "backend": config.backend,
+            "chunk": config.chunk,
             # wall time of the teacher-forced decode so far: what a run of N tokens will take on this machine
             "decode_seconds": round(clock["before"] + clock["end"] - clock["start"], 2),
             **({"resumed_at": resumed_at} if resumed_at else {}),
@@ -286,34 +294,41 @@ def evaluate_model(
                 saved = None  # restored: its tensors (a whole KV cache) need not stay in memory
                 if on_step is not None:
                     on_step(first)
-            for step in range(first, config.tokens):
+            step = first
+            while step < config.tokens:
+                # up to the next curve point: states are read (and saved) there
+                n = min(config.chunk, next(m for m in marks if m > step) - step)
                 t = config.prefill + step
-                logits = stream(batch[:, t : t + 1]).logits[:, -1]
-                logp = torch.log_softmax(logits.double(), dim=-1)
-                kl += (logp[0].exp() * (logp[0] - logp)).sum(-1)
-                nll -= logp[:, targets[t + 1]]
-                agree += (logp.argmax(-1) == logp[0].argmax()).double()
-                if step + 1 in marks:
+                logits = stream(batch[:, t : t + n]).logits
+                for s in range(0, n, _SCORED_AT_ONCE):  # float64 scores of a slice of positions at a time
+                    logp = torch.log_softmax(logits[:, s : s + _SCORED_AT_ONCE].double(), dim=-1)
+                    kl += (logp[:1].exp() * (logp[:1] - logp)).sum(-1).sum(-1)
+                    nxt = ids[t + s + 1 : t + s + 1 + logp.shape[1]]
+                    nll -= logp.gather(-1, nxt.expand(len(rows), -1)[..., None]).sum((-2, -1))
+                    agree += (logp.argmax(-1) == logp[:1].argmax(-1)).double().sum(-1)
+                del logits, logp
+                step += n
+                if step in marks:
                     running.append((kl.tolist(), agree.tolist()))
                     states = patched.states(cache)
                     for layer, st in states.items():
                         curves.setdefault(layer, []).append([_rel(st[i], st[0]) for i in range(len(rows))])
                     clock["end"] = time.perf_counter()
-                    if checkpoint is not None and step + 1 < config.tokens:
+                    if checkpoint is not None and step < config.tokens:
                         resume.save_checkpoint(checkpoint, {
-                            "identity": identity, "step": step + 1, "position": stream.position,
+                            "identity": identity, "step": step, "position": stream.position,
                             "sums": [kl, nll, agree], "running": running, "curves": curves,
                             "decode_seconds": clock["before"] + clock["end"] - clock["start"],
                             "resumed_at": resumed_at, "cache": resume.snapshot_cache(cache),
                             "states": patched.snapshot(cache), "rng": resume.snapshot_rng(model.device),
                         })  # fmt: skip
-                    if on_partial is not None and step + 1 < config.tokens:
-                        on_partial(report(step + 1, states, {}))
+                    if on_partial is not None and step < config.tokens:
+                        on_partial(report(step, states, {}))
                     out_of_time = time_limit is not None and clock["end"] - clock["start"] >= time_limit
-                    if out_of_time and step + 1 < config.tokens:
-                        return report(step + 1, states, {})
+                    if out_of_time and step < config.tokens:
+                        return report(step, states, {})
                 if on_step is not None:
-                    on_step(1)
+                    on_step(n)
             final = patched.states(cache)
             clock["end"] = time.perf_counter()
         with torch.inference_mode():  # no autograd graph across hundreds of free-running steps

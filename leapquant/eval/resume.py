@@ -120,6 +120,7 @@ def run_identity(model, config, ids: torch.Tensor) -> dict:
         "prefill": config.prefill,
         "curve_points": config.curve_points,
         "backend": config.backend,
+        "chunk": config.chunk,
         "generate": list(config.generate),
         "generate_tokens": config.generate_tokens,
         "device": str(model.device.type),
