@@ -6,8 +6,8 @@
 # CHECKPOINTS=DIR (e.g. .eval-checkpoints, ignored by git, so that it stays on a warm device machine between
 # calls): each process also saves its run there (leapquant eval --checkpoint) and stops at the first curve
 # point after EVAL_SECONDS - STOP_MARGIN seconds; the same command in the next call goes on from there, and
-# a process whose run is complete writes its report again at once. Runs of 64K tokens, ~22 minutes a process
-# on an H100, then take three calls.
+# a process whose run is complete writes its report again at once. TABLES=plans evaluates every calibrated
+# plan of the model (results/auto/MODEL.plan*.json). CHUNK: tokens per model call (leapquant eval --chunk).
 set -uo pipefail
 out=${OUT:-out}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -43,7 +43,12 @@ for model in ${MODELS:-qwen35-gdn-hybrid-byte kimi-kda-hybrid-byte}; do
       resume=(--checkpoint "$CHECKPOINTS/eval-$model-$table.pt" \
               --time-limit $(( ${EVAL_SECONDS:-480} - ${STOP_MARGIN:-120} )))
     fi
-    timeout "${EVAL_SECONDS:-480}" python3 -m leapquant eval --model "$model" ${!table} "${resume[@]}" ${CHUNK:+--chunk $CHUNK} \
+    if [ "$table" = plans ]; then  # every calibrated plan of this model (leapquant calibrate)
+      methods=(); for f in results/auto/"$model".plan*.json; do [ -f "$f" ] && methods+=(-m "$f"); done
+    else
+      read -ra methods <<< "${!table}"
+    fi
+    timeout "${EVAL_SECONDS:-480}" python3 -m leapquant eval --model "$model" "${methods[@]}" "${resume[@]}" ${CHUNK:+--chunk $CHUNK} \
       --tokens "$tokens" --quiet --json "$out/eval-$model-$table.json" > "$out/eval-$model-$table.log" 2>&1 &
     pids+=($!)
   done

@@ -9,7 +9,15 @@ import torch
 
 from leapquant.cli.main import main
 from leapquant.errors import LeapQuantError
-from leapquant.eval.model_eval import EvalConfig, evaluate_model, load_model, metrics_after, stdlib_text
+from leapquant.eval.model_eval import (
+    EvalConfig,
+    evaluate_model,
+    kl_cell,
+    load_model,
+    metrics_after,
+    nonfinite_by,
+    stdlib_text,
+)
 from leapquant.traces import load_trace
 
 
@@ -142,6 +150,19 @@ def test_chunked_calls_score_what_a_call_per_token_scores(tiny_dir, chunk):
         assert b["nll"] == pytest.approx(a["nll"], rel=1e-3)
         assert b["state_rel_err"] == pytest.approx(a["state_rel_err"], rel=2e-2)
         assert b["kl"] == pytest.approx(a["kl"], rel=0.1)
+
+
+def test_a_non_finite_run_says_where_it_stopped_being_finite():
+    nan, inf = float("nan"), float("inf")
+    report = {
+        "methods": {"a": {"kl": nan}, "b": {"kl": 0.5}, "c": {"kl": inf}},
+        "curves": {
+            "tokens": [100, 200, 300],
+            "kl": {"a": [0.1, nan, nan], "b": [0.1, 0.2, 1.2], "c": [inf] * 3},
+        },
+    }
+    assert nonfinite_by(report) == {"a": 200, "b": None, "c": 100}
+    assert kl_cell(report, "a") == "nan (non-finite by token 200)" and kl_cell(report, "b") == "5.000e-01"
 
 
 def test_eval_cli(tiny_dir, tmp_path, capsys):

@@ -275,6 +275,8 @@ def run_eval(args: argparse.Namespace) -> int:
 
 def eval_markdown(report: dict) -> str:
     """A markdown table of one evaluation report."""
+    from ..eval.model_eval import kl_cell
+
     prov = report.get("provenance", {})
     done = "" if report.get("complete", True) else " (cut short: partial report)"
     lines = [
@@ -297,7 +299,7 @@ def eval_markdown(report: dict) -> str:
                 f"divergence {first:g})"
             )
         lines.append(
-            f"| `{name}`{extra} | {row['bytes_per_element']:.3f} | {row['kl']:.2e} "
+            f"| `{name}`{extra} | {row['bytes_per_element']:.3f} | {kl_cell(report, name, '.2e')} "
             f"| {row['top1_agreement']:.4f} | {row['nll']:.4f} | {row['state_rel_err']:.2e} |"
         )
     return "\n".join(lines) + "\n"

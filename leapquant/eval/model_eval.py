@@ -39,6 +39,7 @@ __all__ = [
     "load_model",
     "merge_reports",
     "metrics_after",
+    "nonfinite_by",
     "record_trace",
     "stdlib_text",
 ]
@@ -516,13 +517,35 @@ def metrics_after(report: dict, after: int) -> dict[str, dict]:
     return out
 
 
+def nonfinite_by(report: dict) -> dict[str, int | None]:
+    """Per method, the curve point that ends the first stretch of tokens whose KL is not finite (the
+    method's state or logits overflowed somewhere in that stretch), ``None`` where every stretch is finite.
+    A mean KL of ``nan`` says only that it happened; this says how long the method lasted."""
+    import math
+
+    ends = report["curves"]["tokens"]
+    segments = report["curves"].get("kl", {})
+    out: dict[str, int | None] = {}
+    for name in report["methods"]:
+        bad = [end for end, v in zip(ends, segments.get(name, ()), strict=False) if not math.isfinite(v)]
+        out[name] = bad[0] if bad else None
+    return out
+
+
+def kl_cell(report: dict, name: str, spec: str = ".3e") -> str:
+    """A method's mean KL for a table, with where it stopped being finite when it did."""
+    by = nonfinite_by(report)[name]
+    kl = format(report["methods"][name]["kl"], spec)
+    return kl if by is None else f"{kl} (non-finite by token {by:,})"
+
+
 def methods_table_rows(report: dict) -> Sequence[tuple[str, ...]]:
     """Rows for printing: method, B/elem, KL, top-1, NLL, state error."""
     return [
         (
             name,
             f"{row['bytes_per_element']:.3f}",
-            f"{row['kl']:.3e}",
+            kl_cell(report, name),
             f"{row['top1_agreement']:.4f}",
             f"{row['nll']:.4f}",
             f"{row['state_rel_err']:.3e}",
