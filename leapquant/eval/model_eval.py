@@ -1,7 +1,8 @@
 """Accuracy of a method on a real model: FP32 and every method decoded side by side, teacher-forced.
 
 The batch holds one row per method (row 0 is FP32, the model's own state), all fed the same held-out text
-token by token; :func:`leapquant.patch` gives each row its method's state. Per method we report
+in chunks of ``EvalConfig.chunk`` tokens a model call; :func:`leapquant.patch` gives each row its method's
+state, which steps through every chunk token by token. Per method we report
 
 * ``kl``: mean KL(FP32 || method) of the next-token distributions, nats per token;
 * ``top1_agreement``: fraction of steps whose arg-max token equals FP32's;

@@ -1,13 +1,14 @@
 """Checkpoints of a teacher-forced evaluation, so that a long run can stop and go on where it stopped.
 
-A 64K-token run of a hybrid takes longer than one job on a time-limited or preemptible GPU allows
-(``leapquant eval --checkpoint FILE --time-limit SECONDS``). A checkpoint holds the run's identity
-(:func:`run_identity`: model and a fingerprint of its weights, methods, settings, the token ids, the
-device and the software versions), its running sums and curves, the random number generators' states
-(stochastic rounding draws from them), and the whole decode state: the transformers cache (attention keys
-and values, convolution states, the row handles of patched layers) and every patched layer's method
-states (:meth:`leapquant.LeapQuantPatch.snapshot`). Going on from it gives the numbers of an uninterrupted
-run, bit for bit on the same machine and software. A finished run leaves only its report.
+A long run (a real model, many methods, hundreds of thousands of tokens) can take longer than one job on a
+time-limited or preemptible GPU allows (``leapquant eval --checkpoint FILE --time-limit SECONDS``). A
+checkpoint holds the run's identity (:func:`run_identity`: model and a fingerprint of its weights, methods,
+settings, the token ids, the device and the software versions), its running sums and curves, the random
+number generators' states (stochastic rounding draws from them), and the whole decode state: the
+transformers cache (attention keys and values, convolution states, the row handles of patched layers) and
+every patched layer's method states (:meth:`leapquant.LeapQuantPatch.snapshot`). Going on from it gives
+the numbers of an uninterrupted run, bit for bit on the same machine and software. A finished run leaves
+only its report.
 
 The file is written to a temporary name, flushed to disk and renamed, so a run killed while saving keeps
 the previous checkpoint.
