@@ -264,10 +264,20 @@ def test_eval_report_markdown(tiny_dir, tmp_path, capsys):
     assert "tokens 7 to 8 of 8" in md and f"| `int4` | 0.531 | {late:.2e} |" in md
     assert main(["eval-report", str(out), "--after", "8"]) == 2
     assert "no curve segment starts at or after token 8" in capsys.readouterr().err
+    # --plot-kl: one panel per model from any number of reports, --only picks lines by name
+    png = tmp_path / "kl.png"
+    assert main(["eval-report", str(out), str(out), "--plot-kl", str(png), "--only", "int4"]) == 0
+    assert png.stat().st_size > 10_000
+    assert main(["eval-report", str(out), "--plot-kl", str(png), "--only", "int5"]) == 2
+    assert "--only: no report has int5 (they have: int4)" in capsys.readouterr().err
+    assert main(["eval-report", str(out), "--only", "int4"]) == 2
+    assert "give --plot-kl" in capsys.readouterr().err
     del report["curves"]["kl"]  # a report from before the segment curves
     out.write_text(json.dumps(report))
     assert main(["eval-report", str(out), "--after", "2"]) == 2
     assert "no per-segment KL" in capsys.readouterr().err
+    assert main(["eval-report", str(out), "--plot-kl", str(png)]) == 2
+    assert "without per-stretch KL" in capsys.readouterr().err
 
 
 def test_eval_split_over_processes_merges_into_one_report(tiny_dir, tmp_path, capsys):

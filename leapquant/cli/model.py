@@ -114,6 +114,18 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         help="state error per layer (one report)",
     )
     p.add_argument(
+        "--plot-kl",
+        metavar="OUT.png",
+        type=output_file("file", PLOT),
+        help="KL per stretch of tokens against tokens, one panel per model (any number of reports)",
+    )
+    p.add_argument(
+        "--only",
+        action="append",
+        metavar="M",
+        help="with --plot-kl: these methods only (repeatable, in order)",
+    )
+    p.add_argument(
         "--after",
         metavar="N",
         type=count(0),
@@ -342,6 +354,8 @@ def _eval_report(path: Path) -> dict:
 
 def run_eval_report(args: argparse.Namespace) -> int:
     reports = [_eval_report(p) for p in args.reports]
+    if args.only and not args.plot_kl:
+        raise LeapQuantError("--only picks the lines of --plot-kl: give --plot-kl OUT.png")
     if args.plot and len(reports) != 1 and not args.merge:
         raise LeapQuantError("--plot draws one report: give one JSON (or several with --merge)")
     try:
@@ -366,6 +380,10 @@ def run_eval_report(args: argparse.Namespace) -> int:
 
         plot_model_state_error(reports[0], args.plot)
         print(f"wrote {args.plot}")
+    if args.plot_kl:
+        from ..eval.plot import plot_kl_curves
+
+        print(f"wrote {plot_kl_curves(reports, args.plot_kl, methods=args.only)}")
     return 0
 
 

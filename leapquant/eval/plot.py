@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["plot_model_state_error", "plot_recall_accuracy", "plot_state_error", "save_figure"]
+__all__ = [
+    "plot_kl_curves", "plot_model_state_error", "plot_recall_accuracy", "plot_state_error", "save_figure",
+]  # fmt: skip
 
 
 def save_figure(fig, path: str | Path, bbox_inches: str | None = None) -> Path:
@@ -95,6 +97,76 @@ def plot_model_state_error(report: dict, path: str | Path, title: str | None = N
         handles, labels, fontsize=7, loc="upper center", ncol=min(6, len(labels)), bbox_to_anchor=(0.5, 1.0)
     )
     fig.suptitle(title or f"{report['architecture']}: state error per layer", fontsize=9, y=1.04)
+    return save_figure(fig, path, bbox_inches="tight")
+
+
+# a stretch whose KL is not finite is drawn at the axis' top: the method's logits overflowed there
+_KL_TOP = 10.0
+
+
+def plot_kl_curves(
+    reports: list[dict], path: str | Path, methods: list[str] | None = None, title: str | None = None
+) -> Path:
+    """Mean KL(FP32 || method) over each stretch of tokens between curve points, against tokens (log
+    scale), one panel per model and one line per method (dashed: per-step). Whether a method holds at long
+    context, drifts or diverges, which a mean over the whole run hides. Reports of the same model (runs
+    split by method) share a panel; ``methods`` picks and orders the lines (default: every method).
+    A stretch whose KL is not finite is drawn at the top (``_KL_TOP``) with an x."""
+    import math
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ..errors import LeapQuantError
+
+    panels: dict[str, dict[str, tuple[list[int], list[float], dict]]] = {}
+    for report in reports:
+        if "kl" not in report["curves"]:
+            raise LeapQuantError("a report without per-stretch KL (made by an older leapquant eval)")
+        lines = panels.setdefault(Path(report["model"]).name, {})
+        for name, row in report["methods"].items():
+            lines.setdefault(name, (report["curves"]["tokens"], report["curves"]["kl"][name], row))
+    known = {name for lines in panels.values() for name in lines}
+    unknown = [m for m in methods or () if m not in known]
+    if unknown:
+        have = ", ".join(sorted(known))
+        raise LeapQuantError(f"--only: no report has {', '.join(unknown)} (they have: {have})")
+    order = list(methods) if methods else list(dict.fromkeys(n for lines in panels.values() for n in lines))
+    cols = min(2, len(panels))
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.6 * cols, 3.6 * rows), dpi=120, squeeze=False)
+    colors = plt.get_cmap("tab10").colors + plt.get_cmap("Dark2").colors
+    for ax, (model, lines) in zip(axes.flat, panels.items()):
+        for i, name in enumerate(order):
+            if name not in lines:
+                continue
+            tokens, kl, row = lines[name]
+            style = "-" if row.get("window", 1) > 1 else "--"
+            color = colors[i % len(colors)]
+            ax.plot(tokens, [v if math.isfinite(v) else _KL_TOP for v in kl], style, lw=1.3, color=color,
+                    label=name)  # fmt: skip
+            bad = [t for t, v in zip(tokens, kl) if not math.isfinite(v)]
+            if bad:
+                ax.plot(bad[:1], [_KL_TOP], "x", color=color, ms=7)
+        ax.set_yscale("log")
+        ax.set_ylim(top=_KL_TOP * 2)
+        ax.set_title(model, fontsize=9)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.set_xlabel("teacher-forced tokens", fontsize=8)
+        ax.set_ylabel("KL(FP32 || method) per stretch, nats", fontsize=8)
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.axis("off")
+    handles, labels = {}, {}
+    for ax in axes.flat:
+        for h, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, h)
+    labels = [n for n in order if n in handles]
+    fig.legend([handles[n] for n in labels], labels, fontsize=7, loc="upper center", ncol=min(5, len(labels)),
+               bbox_to_anchor=(0.5, 1.0 + 0.02 * -(-len(labels) // 5)))  # fmt: skip
+    fig.suptitle(title or "KL against FP32 along the run (x: the first non-finite stretch)", fontsize=9,
+                 y=1.04 + 0.02 * -(-len(labels) // 5))  # fmt: skip
     return save_figure(fig, path, bbox_inches="tight")
 
 
