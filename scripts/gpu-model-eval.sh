@@ -45,10 +45,12 @@ for model in ${MODELS:-qwen35-gdn-hybrid-byte kimi-kda-hybrid-byte}; do
     fi
     if [ "$table" = plans ]; then  # every calibrated plan of this model (leapquant calibrate)
       methods=(); for f in results/auto/"$model".plan*.json; do [ -f "$f" ] && methods+=(-m "$f"); done
+      if [ ${#methods[@]} = 0 ]; then echo "$model: no results/auto/$model.plan*.json, no plans run"; continue; fi
     else
       read -ra methods <<< "${!table}"
     fi
-    timeout "${EVAL_SECONDS:-480}" python3 -m leapquant eval --model "$model" "${methods[@]}" "${resume[@]}" ${CHUNK:+--chunk $CHUNK} \
+    timeout "${EVAL_SECONDS:-480}" python3 -m leapquant eval --model "$model" "${methods[@]}" "${resume[@]}" \
+      ${CHUNK:+--chunk $CHUNK} \
       --tokens "$tokens" --quiet --json "$out/eval-$model-$table.json" > "$out/eval-$model-$table.log" 2>&1 &
     pids+=($!)
   done

@@ -63,10 +63,11 @@ class EvalConfig:
         generate: methods to also run free-running greedy against FP32, for ``generate_tokens`` tokens.
         backend: ``auto`` / ``reference`` / ``reference64`` / ``triton`` (see :func:`leapquant.patch`).
         chunk: teacher-forced tokens per model call. Every method state still takes them one at a time
-            (the patched layers step through a chunk token by token), so the scores are those of a
-            token-by-token decode; the attention layers, MLPs and the scoring run over the chunk at once,
-            which takes the per-token host work of transformers' modules off the loop. ``1`` calls the
-            model once per token. Chunks end at the curve points, where states are read and saved.
+            (the patched layers step through a chunk token by token); the attention layers, MLPs and the
+            scoring run over the chunk at once, which takes the per-token host work of transformers'
+            modules off the loop. The scores equal a call per token's (``1``) up to the order of
+            floating-point sums, and, for stochastic rounding, the order of the random draws (a chunk's
+            tokens layer by layer). Chunks end at the curve points, where states are read and saved.
     """
 
     methods: tuple[str, ...] = DEFAULT_EVAL_METHODS
@@ -301,6 +302,8 @@ def evaluate_model(
                 # up to the next curve point: states are read (and saved) there
                 n = min(config.chunk, next(m for m in marks if m > step) - step)
                 t = config.prefill + step
+                # [rows, n, vocab] in the model's dtype, alive until scored: a large vocabulary (150K+)
+                # at chunk 256 makes it gigabytes, which --chunk lowers
                 logits = stream(batch[:, t : t + n]).logits
                 for s in range(0, n, _SCORED_AT_ONCE):  # float64 scores of a slice of positions at a time
                     logp = torch.log_softmax(logits[:, s : s + _SCORED_AT_ONCE].double(), dim=-1)
@@ -468,8 +471,8 @@ def merge_reports(reports: Sequence[dict]) -> dict:
     first = reports[0]
     merged = {**first, "methods": {}, "curves": {"tokens": first["curves"]["tokens"], "layers": {}}}
     for r in reports:
-        for key in ("model", "tokens", "prefill", "text"):
-            if r[key] != first[key]:
+        for key in ("model", "tokens", "prefill", "text", "chunk"):
+            if r.get(key) != first.get(key):  # chunk: absent from reports made before it was recorded
                 raise LeapQuantError(f"merge: reports differ in {key!r} ({r[key]!r} vs {first[key]!r})")
         if abs(r["fp32"]["nll"] - first["fp32"]["nll"]) > 1e-4 * abs(first["fp32"]["nll"]):
             raise LeapQuantError(f"merge: FP32 NLL {r['fp32']['nll']} vs {first['fp32']['nll']}")

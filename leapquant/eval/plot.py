@@ -110,8 +110,9 @@ def plot_kl_curves(
     """Mean KL(FP32 || method) over each stretch of tokens between curve points, against tokens (log
     scale), one panel per model and one line per method (dashed: per-step). Whether a method holds at long
     context, drifts or diverges, which a mean over the whole run hides. Reports of the same model (runs
-    split by method) share a panel; ``methods`` picks and orders the lines (default: every method).
-    A stretch whose KL is not finite is drawn at the top (``_KL_TOP``) with an x."""
+    split by method) share a panel, where a method in two of them is drawn from the first; ``methods``
+    picks and orders the lines (default: every method). KL is drawn up to ``_KL_TOP``; the first stretch
+    whose KL is not finite is marked there with an x, and the later ones stay at the top."""
     import math
 
     import matplotlib
@@ -145,8 +146,8 @@ def plot_kl_curves(
             tokens, kl, row = lines[name]
             style = "-" if row.get("window", 1) > 1 else "--"
             color = colors[i % len(colors)]
-            ax.plot(tokens, [v if math.isfinite(v) else _KL_TOP for v in kl], style, lw=1.3, color=color,
-                    label=name)  # fmt: skip
+            drawn = [min(v, _KL_TOP) if math.isfinite(v) else _KL_TOP for v in kl]
+            ax.plot(tokens, drawn, style, lw=1.3, color=color, label=name)
             bad = [t for t, v in zip(tokens, kl) if not math.isfinite(v)]
             if bad:
                 ax.plot(bad[:1], [_KL_TOP], "x", color=color, ms=7)
@@ -158,7 +159,7 @@ def plot_kl_curves(
         ax.set_ylabel("KL(FP32 || method) per stretch, nats", fontsize=8)
     for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
-    handles, labels = {}, {}
+    handles = {}
     for ax in axes.flat:
         for h, label in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(label, h)
