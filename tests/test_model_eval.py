@@ -311,10 +311,11 @@ def test_eval_split_over_processes_merges_into_one_report(tiny_dir, tmp_path, ca
     # the same method twice, or runs of another length, are not one evaluation
     assert main(["eval-report", str(paths["a"]), str(paths["a"]), "--merge", str(paths["merged"])]) == 2
     assert "in two reports" in capsys.readouterr().err
-    short = json.loads(paths["b"].read_text()) | {"tokens": 6}
-    paths["b"].write_text(json.dumps(short))
-    assert main(["eval-report", str(paths["a"]), str(paths["b"]), "--merge", str(paths["merged"])]) == 2
-    assert "differ in 'tokens'" in capsys.readouterr().err
+    b = json.loads(paths["b"].read_text())
+    for key, other in (("chunk", 1), ("tokens", 6)):
+        paths["b"].write_text(json.dumps(b | {key: other}))
+        assert main(["eval-report", str(paths["a"]), str(paths["b"]), "--merge", str(paths["merged"])]) == 2
+        assert f"differ in '{key}'" in capsys.readouterr().err
 
 
 def test_a_model_without_attention_layers_runs_every_command(tmp_path):
