@@ -37,6 +37,7 @@ __all__ = [
     "DEFAULT_MODEL",
     "EvalConfig",
     "evaluate_model",
+    "first_nonfinite",
     "load_model",
     "merge_reports",
     "metrics_after",
@@ -473,7 +474,9 @@ def merge_reports(reports: Sequence[dict]) -> dict:
     for r in reports:
         for key in ("model", "tokens", "prefill", "text", "chunk"):
             if r.get(key) != first.get(key):  # chunk: absent from reports made before it was recorded
-                raise LeapQuantError(f"merge: reports differ in {key!r} ({r[key]!r} vs {first[key]!r})")
+                raise LeapQuantError(
+                    f"merge: reports differ in {key!r} ({r.get(key)!r} vs {first.get(key)!r})"
+                )
         if abs(r["fp32"]["nll"] - first["fp32"]["nll"]) > 1e-4 * abs(first["fp32"]["nll"]):
             raise LeapQuantError(f"merge: FP32 NLL {r['fp32']['nll']} vs {first['fp32']['nll']}")
         for name, row in r["methods"].items():
@@ -521,24 +524,27 @@ def metrics_after(report: dict, after: int) -> dict[str, dict]:
     return out
 
 
+def first_nonfinite(ends: Sequence[int], values: Sequence[float]) -> int | None:
+    """The curve point (``ends[j]``) that ends the first stretch whose value is not finite, or ``None``."""
+    import math
+
+    return next((end for end, v in zip(ends, values, strict=False) if not math.isfinite(v)), None)
+
+
 def nonfinite_by(report: dict) -> dict[str, int | None]:
     """Per method, the curve point that ends the first stretch of tokens whose KL is not finite (the
     method's state or logits overflowed somewhere in that stretch), ``None`` where every stretch is finite.
     A mean KL of ``nan`` says only that it happened; this says how long the method lasted."""
-    import math
-
-    ends = report["curves"]["tokens"]
     segments = report["curves"].get("kl", {})
-    out: dict[str, int | None] = {}
-    for name in report["methods"]:
-        bad = [end for end, v in zip(ends, segments.get(name, ()), strict=False) if not math.isfinite(v)]
-        out[name] = bad[0] if bad else None
-    return out
+    return {
+        name: first_nonfinite(report["curves"]["tokens"], segments.get(name, ()))
+        for name in report["methods"]
+    }
 
 
 def kl_cell(report: dict, name: str, spec: str = ".3e") -> str:
     """A method's mean KL for a table, with where it stopped being finite when it did."""
-    by = nonfinite_by(report)[name]
+    by = first_nonfinite(report["curves"]["tokens"], report["curves"].get("kl", {}).get(name, ()))
     kl = format(report["methods"][name]["kl"], spec)
     return kl if by is None else f"{kl} (non-finite by token {by:,})"
 

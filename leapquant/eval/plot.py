@@ -1,4 +1,4 @@
-"""Figures: state error against tokens, in the style of the paper's Figure 3."""
+"""Figures: state error against tokens (the paper's Figure 3), KL along a run, recall against distance."""
 
 from __future__ import annotations
 
@@ -121,6 +121,7 @@ def plot_kl_curves(
     import matplotlib.pyplot as plt
 
     from ..errors import LeapQuantError
+    from .model_eval import first_nonfinite
 
     panels: dict[str, dict[str, tuple[list[int], list[float], dict]]] = {}
     for report in reports:
@@ -148,9 +149,9 @@ def plot_kl_curves(
             color = colors[i % len(colors)]
             drawn = [min(v, _KL_TOP) if math.isfinite(v) else _KL_TOP for v in kl]
             ax.plot(tokens, drawn, style, lw=1.3, color=color, label=name)
-            bad = [t for t, v in zip(tokens, kl) if not math.isfinite(v)]
-            if bad:
-                ax.plot(bad[:1], [_KL_TOP], "x", color=color, ms=7)
+            bad = first_nonfinite(tokens, kl)
+            if bad is not None:
+                ax.plot([bad], [_KL_TOP], "x", color=color, ms=7)
         ax.set_yscale("log")
         ax.set_ylim(top=_KL_TOP * 2)
         ax.set_title(model, fontsize=9)
@@ -164,10 +165,11 @@ def plot_kl_curves(
         for h, label in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(label, h)
     labels = [n for n in order if n in handles]
+    legend_rows = -(-len(labels) // 5)
     fig.legend([handles[n] for n in labels], labels, fontsize=7, loc="upper center", ncol=min(5, len(labels)),
-               bbox_to_anchor=(0.5, 1.0 + 0.02 * -(-len(labels) // 5)))  # fmt: skip
+               bbox_to_anchor=(0.5, 1.0 + 0.02 * legend_rows))  # fmt: skip
     fig.suptitle(title or "KL against FP32 along the run (x: the first non-finite stretch)", fontsize=9,
-                 y=1.04 + 0.02 * -(-len(labels) // 5))  # fmt: skip
+                 y=1.04 + 0.02 * legend_rows)  # fmt: skip
     return save_figure(fig, path, bbox_inches="tight")
 
 
