@@ -312,8 +312,9 @@ def test_eval_split_over_processes_merges_into_one_report(tiny_dir, tmp_path, ca
     assert main(["eval-report", str(paths["a"]), str(paths["a"]), "--merge", str(paths["merged"])]) == 2
     assert "in two reports" in capsys.readouterr().err
     b = json.loads(paths["b"].read_text())
-    for key, other in (("chunk", 1), ("tokens", 6)):
-        paths["b"].write_text(json.dumps(b | {key: other}))
+    older = {k: v for k, v in b.items() if k != "chunk"}  # a report made before the chunk was recorded
+    for key, report in (("chunk", b | {"chunk": 1}), ("chunk", older), ("tokens", b | {"tokens": 6})):
+        paths["b"].write_text(json.dumps(report))
         assert main(["eval-report", str(paths["a"]), str(paths["b"]), "--merge", str(paths["merged"])]) == 2
         assert f"differ in '{key}'" in capsys.readouterr().err
 
