@@ -133,7 +133,7 @@ SHIFTS = {f"shift_{n}": "i64" for n in ("payload", "scale", "smooth", "comp_k", 
 
 
 def main() -> None:
-    common = dict(rec_g="*fp32", rec_k="*fp16", rec_u="*fp16", pos="*i32", scale_v="*fp32", smooth="*fp32",
+    common = dict(rec_g="*fp16", rec_k="*fp16", rec_u="*fp16", pos="*i32", scale_v="*fp32", smooth="*fp32",
                   comp_k="*fp16", comp_u="*fp16", payload=PAYLOAD[2])  # fmt: skip
     step_ptrs = dict(common, q="*bf16", k="*bf16", v="*bf16", g="*fp32", beta="*bf16", b_read="*i32",
                      o="*bf16", slots="*i32", close_list="*i32", close_count="*i32",

@@ -117,8 +117,7 @@ def _randomize(pool, gen: torch.Generator) -> None:
     for name in ("comp_k", "comp_u", "rec_k", "rec_u"):
         if name in t:
             t[name].copy_((0.1 * torch.randn(t[name].shape, generator=gen, device=dev)).to(t[name].dtype))
-    steps = -0.05 * torch.rand(t["rec_g"].shape, generator=gen, device=dev)
-    t["rec_g"].copy_(steps.cumsum(dim=2))
+    t["rec_g"].copy_(-0.05 * torch.rand(t["rec_g"].shape, generator=gen, device=dev))  # a record's log decay
     t["pos"].copy_(torch.randint(0, cfg.window, t["pos"].shape[:1], generator=gen, device=dev)[:, None].int())
 
 

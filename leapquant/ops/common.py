@@ -1,4 +1,5 @@
-"""Triton helpers shared by the decode kernels: exact rounding and the model-native token preamble."""
+"""Triton helpers shared by the decode kernels: exact rounding, the model-native token preamble, the pool's
+page bases and the records' cumulative decays."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ __all__ = [
     "e4m3_grid",
     "native_token",
     "page_bases",
+    "record_decays",
     "rint",
     "tf32_split",
 ]
@@ -131,3 +133,30 @@ def page_bases(
         rec_u += slot * shift_rec_u
         pos += slot * shift_pos
     return payload, scale_v, smooth, comp_k, comp_u, rec_g, rec_k, rec_u, pos
+
+
+@triton.jit
+def record_decays(
+    rec_g, i_s, count, K: tl.constexpr, P: tl.constexpr, BP: tl.constexpr, VECTOR_DECAY: tl.constexpr
+):
+    """Cumulative log decays of head ``i_s``'s first ``count`` records, from the records' own ones.
+
+    Returns fp32 ``(total, since)``: ``total = G_count = g_1 + ... + g_count`` (``[K]``, or a scalar for a
+    scalar decay) and ``since [BP, K]`` (``[BP]``), row ``j`` the log decay after record ``j`` up to record
+    ``count`` (``G_count - G_j``), zero from row ``count`` on.  ``total`` is picked out of the prefix sums,
+    not summed again, so that the last record's ``since`` is exactly zero.
+    """
+    o_p = tl.arange(0, BP)
+    mask_p = o_p < count
+    if VECTOR_DECAY:
+        o_k = tl.arange(0, K)
+        b_g = tl.load(rec_g + (i_s * P + o_p[:, None]) * K + o_k[None, :], mask=mask_p[:, None], other=0.0)
+        b_cum = tl.cumsum(b_g.to(tl.float32), 0)
+        b_total = tl.sum(tl.where(o_p[:, None] == count - 1, b_cum, 0.0), 0)
+        b_since = tl.where(mask_p[:, None], b_total[None, :] - b_cum, 0.0)
+    else:
+        b_g = tl.load(rec_g + i_s * P + o_p, mask=mask_p, other=0.0)
+        b_cum = tl.cumsum(b_g.to(tl.float32), 0)
+        b_total = tl.sum(tl.where(o_p == count - 1, b_cum, 0.0), 0)
+        b_since = tl.where(mask_p, b_total - b_cum, 0.0)
+    return b_total, b_since
