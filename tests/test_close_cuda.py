@@ -217,7 +217,10 @@ def _check_against_triton(family, residual, window, rank, smooth, iters, misalig
         for impl, p in pools.items()
     }
     a, b = pools["triton"].tensors, pools["cuda"].tensors
-    assert torch.equal(outs["triton"], outs["cuda"])  # the same step kernel
+    if misalign:  # Triton specializes the step on 16-byte alignment: the KDA decays' product may round apart
+        assert float((outs["cuda"] - outs["triton"]).norm() / outs["triton"].norm()) < 1e-6
+    else:
+        assert torch.equal(outs["triton"], outs["cuda"])  # the same step kernel
     assert not a["pos"][:n].any() and torch.equal(a["pos"], b["pos"])
     for name in a:
         assert torch.equal(b[name][n:].view(torch.uint8), base.tensors[name][n:].view(torch.uint8)), name

@@ -63,8 +63,8 @@ def state_bytes_per_step(variant: Variant, case: KernelCase) -> float:
         return heads * 2 * variant.state_bytes_per_head(case.d_k, case.d_v)
     cfg = variant.pool_config(case.heads, case.d_k, case.d_v, "vector" if case.family == "kda" else "scalar")
     boundary = cfg.boundary_bytes_per_head()
-    rb = 2 if cfg.records == "fp16" else 4
-    record = rb * (case.d_k + case.d_v) + 4 * (case.d_k if cfg.decay == "vector" else 1)
+    # a record: key, correction and log decay(s), all at the record precision
+    record = cfg.record_dtype.itemsize * (case.d_k + case.d_v + (case.d_k if cfg.decay == "vector" else 1))
     p = cfg.window
     per_head = boundary + (p - 1) / 2 * record + record + 4  # read boundary and records, write one record
     if not variant.step_only:

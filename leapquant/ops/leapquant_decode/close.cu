@@ -242,7 +242,7 @@ __device__ __forceinline__ void copy_async(float* dst, const void* src, int tid)
 
 extern "C" __global__ void __launch_bounds__(NT, 2) leapquant_close(
     const int* __restrict__ close_list, const int* __restrict__ close_count, unsigned char* payload,
-    float* scale_v, float* smooth, half_bits* comp_k, half_bits* comp_u, const float* __restrict__ rec_g,
+    float* scale_v, float* smooth, half_bits* comp_k, half_bits* comp_u, const rec_t* __restrict__ rec_g,
     const rec_t* __restrict__ rec_k, const rec_t* __restrict__ rec_u, int* pos, double smooth_floor_d,
     double qmax_d) {
     extern __shared__ __align__(16) float sm[];

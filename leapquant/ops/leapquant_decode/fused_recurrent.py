@@ -255,7 +255,8 @@ def _token_reads(
 
     # -- cumulative decays G_{i-1} (before this token) and G_i, and the two read vectors ----------------
     b_gprev, b_since = record_decays(rec_g, i_s, i_pos, K, P, BP, VECTOR_DECAY)
-    b_g = tl.maximum(b_g, _LOG_DECAY_FLOOR).to(rec_g.dtype.element_ty)  # as the record stores it
+    # as the record stores it; a NaN gate stays NaN (the state shows it) rather than becoming the floor
+    b_g = tl.maximum(b_g, _LOG_DECAY_FLOOR, propagate_nan=tl.PropagateNan.ALL).to(rec_g.dtype.element_ty)
     b_gnow = b_gprev + b_g.to(tl.float32)
     b_yb = tl.exp(b_gprev) * b_b
     if READ_PRE:
