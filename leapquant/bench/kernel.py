@@ -63,8 +63,8 @@ def state_bytes_per_step(variant: Variant, case: KernelCase) -> float:
         return heads * 2 * variant.state_bytes_per_head(case.d_k, case.d_v)
     cfg = variant.pool_config(case.heads, case.d_k, case.d_v, "vector" if case.family == "kda" else "scalar")
     boundary = cfg.boundary_bytes_per_head()
-    # a record: key, correction and log decay(s), all at the record precision
-    record = cfg.record_dtype.itemsize * (case.d_k + case.d_v + (case.d_k if cfg.decay == "vector" else 1))
+    rb = 2 if cfg.records == "fp16" else 4
+    record = rb * (case.d_k + case.d_v) + 4 * (case.d_k if cfg.decay == "vector" else 1)
     p = cfg.window
     per_head = boundary + (p - 1) / 2 * record + record + 4  # read boundary and records, write one record
     if not variant.step_only:
@@ -117,7 +117,8 @@ def _randomize(pool, gen: torch.Generator) -> None:
     for name in ("comp_k", "comp_u", "rec_k", "rec_u"):
         if name in t:
             t[name].copy_((0.1 * torch.randn(t[name].shape, generator=gen, device=dev)).to(t[name].dtype))
-    t["rec_g"].copy_(-0.05 * torch.rand(t["rec_g"].shape, generator=gen, device=dev))  # a record's log decay
+    steps = -0.05 * torch.rand(t["rec_g"].shape, generator=gen, device=dev)
+    t["rec_g"].copy_(steps.cumsum(dim=2))
     t["pos"].copy_(torch.randint(0, cfg.window, t["pos"].shape[:1], generator=gen, device=dev)[:, None].int())
 
 

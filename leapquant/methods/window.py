@@ -4,8 +4,7 @@ A :class:`WindowedState` holds, for a batch of ``B`` heads:
 
 * the boundary representation ``S_0 = C dequant(R^C) + K U^T`` (quantized residual, smoothing scales ``c``,
   ``r`` compensator tokens), fixed for the whole window;
-* the window's records ``(a_i, k_i, u_i)``, buffered at the record precision (the decay as its log,
-  :func:`stored_log_decay`).
+* the window's records ``(a_i, k_i, u_i)``, buffered at the record precision.
 
 Every read ``S_l^T x`` goes through eq. 10 without forming a state::
 
@@ -28,21 +27,7 @@ from .config import MethodConfig
 from .scale_fit import boundary_fake_quantize
 from .smoothing import smoothing_scales
 
-__all__ = ["LOG_DECAY_FLOOR", "WindowedState", "stored_log_decay"]
-
-# A record keeps its token's log decay clamped to this floor: exp of anything below it underflows fp32 (whose
-# smallest subnormal is about e^-103) however it is summed, so the clamp changes no fp32 result, and the
-# value then fits fp16 (whose range ends at -65504).
-LOG_DECAY_FLOOR = -128.0
-
-
-def stored_log_decay(g: torch.Tensor, round_record) -> torch.Tensor:
-    """The log decay ``g`` a record stores: clamped to :data:`LOG_DECAY_FLOOR`, at the record precision.
-
-    Records keep each token's own log decay (not running sums): in fp16 a decay's rounding error is then
-    relative to that decay, so it stays as small as the rounding of the record's key and value.
-    """
-    return round_record(g.clamp_min(LOG_DECAY_FLOOR))
+__all__ = ["WindowedState"]
 
 
 def _rounder(precision: str):
@@ -233,10 +218,7 @@ class WindowedState:
         out = self.read(q) if readout == "pre" else None
         u = v - self.read(b)
         i = self.count
-        # a per-step method (window 1) folds each record into the state at once: nothing is buffered
-        self.rec_a[:, i] = (
-            a if self.config.window == 1 else torch.exp(stored_log_decay(a.log(), self._round_record))
-        )
+        self.rec_a[:, i] = a
         self.rec_k[:, i] = self._round_record(k)
         self.rec_u[:, i] = self._round_record(u)
         self.count += 1

@@ -18,21 +18,16 @@ scale        ``[S, HV, V]`` fp32              per-value-channel scale (int8/int6
 smooth       ``[S, HV, K]`` fp32              smoothing scales ``c`` (when smoothing)
 comp_k       ``[S, HV, R, K]`` fp16           compensator keys ``K~`` (orthonormal columns)
 comp_u       ``[S, HV, R, V]`` fp16           compensator values ``U~ = S^T K~``
-rec_g        ``[S, HV, P]`` or ``[S,HV,P,K]``  record ``j``'s own log decay ``g_j`` (scalar for GDN, per key
-             fp16/fp32                        channel for KDA), clamped at ``LOG_DECAY_FLOOR``
-                                              (:mod:`leapquant.methods.window`)
+rec_g        ``[S, HV, P]`` or ``[S,HV,P,K]``  cumulative log decay ``G_j`` since the window start
+             fp32                             (scalar for GDN, per key channel for KDA)
 rec_k        ``[S, HV, P, K]`` fp16/fp32      write keys ``k_j`` (beta folded in)
 rec_u        ``[S, HV, P, V]`` fp16/fp32      corrections ``u_j = v_j - S_{j-1}^T b_j``
 pos          ``[S, HV]`` int32                records in the current window, ``0 <= pos < P``
 ===========  ===============================  ====================================================
 
-A record ``(g_j, k_j, u_j)`` is stored at the record precision.  Decays are kept as each token's own log
-decay, not as a running product or a running sum: a read sums them (``G_j = g_1 + ... + g_j``, one prefix
-sum over the window) and takes one ``exp`` per record (``Gamma_{j+1:l} = exp(G_l - G_j)``).  In fp16 a
-token's log decay then carries a rounding error relative to itself, as small as its key's; a running sum
-in fp16 would round recent records' decays to the precision of the window's total (about 1% once a fast
-KDA channel has decayed by e^-8).  For KDA this halves the decays' bytes: a record is 768 B, not 1,024.  The
-position is kept per head so the kernel
+Decays are buffered as cumulative log decays so a read needs one subtraction and one ``exp`` per record
+(``Gamma_{j+1:l} = exp(G_l - G_j)``) instead of a running product; they stay fp32 because decays near 1
+are the ones that matter and fp16 cannot resolve them.  The position is kept per head so the kernel
 that closes windows can advance it without racing other heads of the same slot.
 """
 
@@ -174,7 +169,7 @@ class PoolConfig:
         if r:
             out["comp_k"] = ((s, h, r, k), torch.float16)
             out["comp_u"] = ((s, h, r, v), torch.float16)
-        out["rec_g"] = ((s, h, p) if self.decay == "scalar" else (s, h, p, k), self.record_dtype)
+        out["rec_g"] = ((s, h, p) if self.decay == "scalar" else (s, h, p, k), torch.float32)
         out["rec_k"] = ((s, h, p, k), self.record_dtype)
         out["rec_u"] = ((s, h, p, v), self.record_dtype)
         out["pos"] = ((s, h), torch.int32)

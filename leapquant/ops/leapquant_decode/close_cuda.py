@@ -58,15 +58,8 @@ def prefetches(cfg: PoolConfig, shared_per_sm: int) -> bool:
     """Whether the close stages each block's next head in shared memory (``LQ_PREFETCH``): where the staging
     area still lets ``BLOCKS_PER_SM`` blocks share an SM with ``shared_per_sm`` bytes.  Without it every
     head waits for its own loads; with it only a block's first does, but a block with one SM to itself
-    would lose more than that (long windows).  A head's log decays must also fill whole 4-byte pieces of
-    the copy, which an odd window of fp16 scalar (GDN) decays does not."""
-    if _decays_per_head(cfg) * cfg.record_dtype.itemsize % 4:
-        return False
+    would lose more than that (long windows)."""
     return BLOCKS_PER_SM * (shared_bytes(cfg, prefetch=True) + RESERVED_SHARED) <= shared_per_sm
-
-
-def _decays_per_head(cfg: PoolConfig) -> int:
-    return cfg.window * (cfg.d_k if cfg.decay == "vector" else 1)
 
 
 def compile_options(cfg: PoolConfig, *, prefetch: bool = False) -> list[str]:
@@ -93,9 +86,9 @@ def shared_bytes(cfg: PoolConfig, *, prefetch: bool = False) -> int:
     floats = p * k + p * v + r * k + r * v + k + r * v + r * k + 8 * 4 * k + 2 * k
     if prefetch:  # the inputs as stored: codes, channel scales, log decays, records, smoothing, fp16 tokens
         code_bits = 4 if cfg.format.code == 4 else 8
-        record_bytes = cfg.record_dtype.itemsize  # the records' keys, values and log decays
-        decay_floats = (_decays_per_head(cfg) * record_bytes + 15) // 16 * 4  # rounded up to 16 bytes
-        floats += v * k * code_bits // 32 + v + decay_floats + (p * k + p * v) * record_bytes // 4
+        decays = p * (k if cfg.decay == "vector" else 1)
+        record_bytes = 2 if cfg.records == "fp16" else 4
+        floats += v * k * code_bits // 32 + v + (decays + 3) // 4 * 4 + (p * k + p * v) * record_bytes // 4
         floats += (k if cfg.smoothing else 0) + r * (k + v) // 2
     return 4 * floats
 

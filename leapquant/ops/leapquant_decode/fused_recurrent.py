@@ -26,8 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ...methods.window import LOG_DECAY_FLOOR
-from ..common import native_token, page_bases, record_decays, rint, tf32_split
+from ..common import native_token, page_bases, rint, tf32_split
 
 __all__ = ["SUBSET_ALL", "SUBSET_CLOSING", "SUBSET_OTHERS", "step_kernel", "step_tc_kernel"]
 
@@ -36,7 +35,6 @@ __all__ = ["SUBSET_ALL", "SUBSET_CLOSING", "SUBSET_OTHERS", "step_kernel", "step
 SUBSET_ALL = tl.constexpr(0)
 SUBSET_OTHERS = tl.constexpr(1)
 SUBSET_CLOSING = tl.constexpr(2)
-_LOG_DECAY_FLOOR = tl.constexpr(LOG_DECAY_FLOOR)
 
 # ``RESIDUAL`` codes: leapquant.formats.residual.RESIDUAL_FORMATS (0 fp32, 1 bf16, 2 int8/int6, 3 fp8-e4m3,
 # 4 int4 packed two keys a byte)
@@ -222,18 +220,16 @@ def _piece_columns(x, y, ex, ey):
 @triton.jit
 def _token_reads(
     q, k, g, beta, b_read, A_log, dt_bias, smooth, rec_g, qk_scale, i_n, i_h, i_nh, i_hv, i_s, i_pos,
-    H: tl.constexpr, K: tl.constexpr, P: tl.constexpr, BP: tl.constexpr, NATIVE: tl.constexpr,
-    USE_QK_L2NORM: tl.constexpr,
+    H: tl.constexpr, K: tl.constexpr, P: tl.constexpr, NATIVE: tl.constexpr, USE_QK_L2NORM: tl.constexpr,
     BETA_SIGMOID: tl.constexpr, SMOOTH: tl.constexpr, READ_PRE: tl.constexpr, VECTOR_DECAY: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, GATE_IN_KERNEL: tl.constexpr,
 ):  # fmt: skip
     """The token in general form and the vectors the head's state is read with, fp32 ``[K]``.
 
-    Returns ``(q, kw, b, g, since, yb, yq, rb, rq)``: query, write key (beta folded in), read vector, the
-    log decay the token's record stores (at the record precision), the log decays ``G_{i-1} - G_j`` from
-    each earlier record ``j`` of the window to the previous token (``[BP, K]`` or ``[BP]``, zero rows from
-    ``i_pos`` on), the read vectors decayed to the window start (``yb``, ``yq``: what the tokens are read
-    with) and the same times the smoothing scales (``rb``, ``rq``: what the residual is read with).
+    Returns ``(q, kw, b, gprev, gnow, yb, yq, rb, rq)``: query, write key (beta folded in), read vector,
+    the cumulative log decays before and after this token, the read vectors decayed to the window start
+    (``yb``, ``yq``: what the tokens and records are read with) and the same times the smoothing scales
+    (``rb``, ``rq``: what the residual is read with).
     """
     o_k = tl.arange(0, K)
     # -- the token: general-form read vector b, write key kw, query q and log decay g -----------------
@@ -253,11 +249,12 @@ def _token_reads(
         else:
             b_g = tl.load(g + i_nh).to(tl.float32)
 
-    # -- cumulative decays G_{i-1} (before this token) and G_i, and the two read vectors ----------------
-    b_gprev, b_since = record_decays(rec_g, i_s, i_pos, K, P, BP, VECTOR_DECAY)
-    # as the record stores it; a NaN gate stays NaN (the state shows it) rather than becoming the floor
-    b_g = tl.maximum(b_g, _LOG_DECAY_FLOOR, propagate_nan=tl.PropagateNan.ALL).to(rec_g.dtype.element_ty)
-    b_gnow = b_gprev + b_g.to(tl.float32)
+    # -- cumulative decays G_{i-1} (read before the update) and G_i, and the two read vectors ----------
+    if VECTOR_DECAY:
+        b_gprev = tl.load(rec_g + (i_s * P + i_pos - 1) * K + o_k, mask=(o_k * 0 + i_pos) > 0, other=0.0)
+    else:
+        b_gprev = tl.load(rec_g + i_s * P + i_pos - 1, mask=i_pos > 0, other=0.0)
+    b_gnow = b_gprev + b_g
     b_yb = tl.exp(b_gprev) * b_b
     if READ_PRE:
         b_yq = tl.exp(b_gprev) * b_q
@@ -271,7 +268,7 @@ def _token_reads(
         b_rb = b_yb
         b_rq = b_yq
 
-    return b_q, b_kw, b_b, b_g, b_since, b_yb, b_yq, b_rb, b_rq
+    return b_q, b_kw, b_b, b_gprev, b_gnow, b_yb, b_yq, b_rb, b_rq
 
 
 @triton.heuristics(
@@ -364,9 +361,9 @@ def step_kernel(
             return
     i_pos = tl.load(pos + i_s)
 
-    b_q, b_kw, b_b, b_g, b_since, b_yb, b_yq, b_rb, b_rq = _token_reads(
+    b_q, b_kw, b_b, b_gprev, b_gnow, b_yb, b_yq, b_rb, b_rq = _token_reads(
         q, k, g, beta, b_read, A_log, dt_bias, smooth, rec_g, qk_scale, i_n, i_h, i_nh, i_hv, i_s, i_pos,
-        H, K, P, BP, NATIVE, USE_QK_L2NORM, BETA_SIGMOID, SMOOTH, READ_PRE, VECTOR_DECAY, HAS_DT_BIAS,
+        H, K, P, NATIVE, USE_QK_L2NORM, BETA_SIGMOID, SMOOTH, READ_PRE, VECTOR_DECAY, HAS_DT_BIAS,
         GATE_IN_KERNEL,
     )  # fmt: skip
 
@@ -382,17 +379,19 @@ def step_kernel(
     b_rk = tl.load(rec_k + (i_s * P + o_p[:, None]) * K + o_k[None, :], mask=mask_p[:, None], other=0)
     b_rk = b_rk.to(tl.float32)
     if VECTOR_DECAY:
-        b_wb = tl.sum(b_rk * tl.exp(b_since) * b_b[None, :], 1)
+        b_gj = tl.load(rec_g + (i_s * P + o_p[:, None]) * K + o_k[None, :], mask=mask_p[:, None], other=0.0)
+        b_wb = tl.sum(b_rk * tl.exp(b_gprev[None, :] - b_gj) * b_b[None, :], 1)
         if READ_PRE:
-            b_wq = tl.sum(b_rk * tl.exp(b_since) * b_q[None, :], 1)
+            b_wq = tl.sum(b_rk * tl.exp(b_gprev[None, :] - b_gj) * b_q[None, :], 1)
         else:
-            b_wq = tl.sum(b_rk * tl.exp(b_since + b_g.to(tl.float32)[None, :]) * b_q[None, :], 1)
+            b_wq = tl.sum(b_rk * tl.exp(b_gnow[None, :] - b_gj) * b_q[None, :], 1)
     else:
-        b_wb = tl.exp(b_since) * tl.sum(b_rk * b_b[None, :], 1)
+        b_gj = tl.load(rec_g + i_s * P + o_p, mask=mask_p, other=0.0)
+        b_wb = tl.exp(b_gprev - b_gj) * tl.sum(b_rk * b_b[None, :], 1)
         if READ_PRE:
-            b_wq = tl.exp(b_since) * tl.sum(b_rk * b_q[None, :], 1)
+            b_wq = tl.exp(b_gprev - b_gj) * tl.sum(b_rk * b_q[None, :], 1)
         else:
-            b_wq = tl.exp(b_since + b_g.to(tl.float32)) * tl.sum(b_rk * b_q[None, :], 1)
+            b_wq = tl.exp(b_gnow - b_gj) * tl.sum(b_rk * b_q[None, :], 1)
     b_wb = tl.where(mask_p, b_wb, 0.0)
     b_wq = tl.where(mask_p, b_wq, 0.0)
     b_kw = b_kw.to(rec_k.dtype.element_ty)  # stored precision; the output reads the record back
@@ -444,9 +443,9 @@ def step_kernel(
         tl.store(p_ru, b_u)
     tl.store(rec_k + (i_s * P + i_pos) * K + o_k, b_kw)
     if VECTOR_DECAY:
-        tl.store(rec_g + (i_s * P + i_pos) * K + o_k, b_g)
+        tl.store(rec_g + (i_s * P + i_pos) * K + o_k, b_gnow)
     else:
-        tl.store(rec_g + i_s * P + i_pos, b_g)
+        tl.store(rec_g + i_s * P + i_pos, b_gnow)
     if ADVANCE:  # one program per head: nobody else reads this position during the step
         if i_pos + 1 < P:
             tl.store(pos + i_s, i_pos + 1)
@@ -511,9 +510,9 @@ def step_tc_kernel(
         if (tl.load(closing + i_s) != 0) != (SUBSET == SUBSET_CLOSING):
             return
     i_pos = tl.load(pos + i_s)
-    b_q, b_kw, b_b, b_g, b_since, b_yb, b_yq, b_rb, b_rq = _token_reads(
+    b_q, b_kw, b_b, b_gprev, b_gnow, b_yb, b_yq, b_rb, b_rq = _token_reads(
         q, k, g, beta, b_read, A_log, dt_bias, smooth, rec_g, qk_scale, i_n, i_h, i_nh, i_hv, i_s, i_pos,
-        H, K, P, BP, NATIVE, USE_QK_L2NORM, BETA_SIGMOID, SMOOTH, READ_PRE, VECTOR_DECAY, HAS_DT_BIAS,
+        H, K, P, NATIVE, USE_QK_L2NORM, BETA_SIGMOID, SMOOTH, READ_PRE, VECTOR_DECAY, HAS_DT_BIAS,
         GATE_IN_KERNEL,
     )  # fmt: skip
 
@@ -530,18 +529,20 @@ def step_tc_kernel(
         if READ_PRE:
             b_vecs = _tf32_columns(b_b, b_q)
         else:
-            b_vecs = _tf32_columns(b_b, tl.exp(b_g.to(tl.float32)) * b_q)
-        b_ahi, b_alo = tf32_split(b_rk * tl.exp(b_since))
+            b_vecs = _tf32_columns(b_b, tl.exp(b_gnow - b_gprev) * b_q)
+        b_gj = tl.load(rec_g + (i_s * P + o_p[:, None]) * K + o_k[None, :], mask=mask_p[:, None], other=0.0)
+        b_ahi, b_alo = tf32_split(b_rk * tl.exp(b_gprev[None, :] - b_gj))
         b_dots = tl.dot(b_ahi, b_vecs, input_precision="tf32")
         b_dots = tl.dot(b_alo, b_vecs, acc=b_dots, input_precision="tf32")
         b_wb, b_wq = _column_pairs(b_dots)
     else:
         b_wb, b_wq = _column_pairs(tl.dot(b_rk, _tf32_columns(b_b, b_q), input_precision="tf32"))
-        b_wb = tl.exp(b_since) * b_wb
+        b_gj = tl.load(rec_g + i_s * P + o_p, mask=mask_p, other=0.0)
+        b_wb = tl.exp(b_gprev - b_gj) * b_wb
         if READ_PRE:
-            b_wq = tl.exp(b_since) * b_wq
+            b_wq = tl.exp(b_gprev - b_gj) * b_wq
         else:
-            b_wq = tl.exp(b_since + b_g.to(tl.float32)) * b_wq
+            b_wq = tl.exp(b_gnow - b_gj) * b_wq
     b_wb = tl.where(mask_p, b_wb, 0.0)
     b_wq = tl.where(mask_p, b_wq, 0.0)
     if R > 0:
@@ -603,9 +604,9 @@ def step_tc_kernel(
         tl.store(p_ru, b_u)
     tl.store(rec_k + (i_s * P + i_pos) * K + o_k, b_kw)
     if VECTOR_DECAY:
-        tl.store(rec_g + (i_s * P + i_pos) * K + o_k, b_g)
+        tl.store(rec_g + (i_s * P + i_pos) * K + o_k, b_gnow)
     else:
-        tl.store(rec_g + i_s * P + i_pos, b_g)
+        tl.store(rec_g + i_s * P + i_pos, b_gnow)
     if ADVANCE:
         if i_pos + 1 < P:
             tl.store(pos + i_s, i_pos + 1)

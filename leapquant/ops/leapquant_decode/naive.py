@@ -1,6 +1,6 @@
 """Readable torch reference of the LeapQuant decode ops on a :class:`~leapquant.ops.pool.LeapQuantPool`.
 
-It stores exactly what the Triton kernels store (same layout, each record's own log decay, fp16 tokens and
+It stores exactly what the Triton kernels store (same layout, cumulative log decays, fp16 tokens and
 records, codes from :mod:`leapquant.formats`), one slot at a time, so a kernel can be checked against it
 code for code; it is in turn checked against :class:`~leapquant.methods.WindowedState`.  ``compute`` sets
 the arithmetic precision (float32 mirrors the kernels, float64 mirrors the simulator).
@@ -18,7 +18,6 @@ from ...formats import get_format
 from ...methods.compensators import orthonormalize, start_vectors
 from ...methods.scale_fit import least_squares_scales
 from ...methods.smoothing import smoothing_scales
-from ...methods.window import stored_log_decay
 from ..pool import LeapQuantPool
 
 __all__ = ["activate_gate", "close_ref", "load_ref", "materialize_ref", "native_to_general", "step_ref"]
@@ -89,8 +88,8 @@ def _boundary(pool: LeapQuantPool, slot: int, compute: torch.dtype) -> torch.Ten
 
 
 def _cumulative(pool: LeapQuantPool, slot: int, count: int, compute: torch.dtype) -> torch.Tensor:
-    """``G_1..G_count`` as ``[HV, count, K']`` (K' = 1 for a scalar decay): the records' decays summed."""
-    g = pool.rec_g[slot, :, :count].to(compute).cumsum(1)
+    """``G_1..G_count`` as ``[HV, count, K']`` (K' = 1 for a scalar decay)."""
+    g = pool.rec_g[slot, :, :count].to(compute)
     return g[..., None] if pool.config.decay == "scalar" else g
 
 
@@ -134,8 +133,7 @@ def step_ref(
         gi = g[n].to(compute)
         gi = gi[:, None] if cfg.decay == "scalar" else gi
         g_prev = _cumulative(pool, slot, pos, compute)[:, -1] if pos else torch.zeros_like(gi)
-        g_stored = stored_log_decay(gi, lambda x: _round(x, rec_dtype))
-        g_now = g_prev + g_stored
+        g_now = g_prev + gi
         x_b, x_q = b[n].to(compute), q[n].to(compute)
         u = v[n].to(compute) - _read(pool, slot, pos, g_prev, x_b, boundary, compute)
         key = _round(kw[n].to(compute), rec_dtype)
@@ -146,7 +144,7 @@ def step_ref(
             out[n] = _read(pool, slot, pos, g_now, x_q, boundary, compute) + u * (key * x_q).sum(
                 -1, keepdim=True
             )
-        pool.rec_g[slot, :, pos] = (g_stored[:, 0] if cfg.decay == "scalar" else g_stored).to(rec_dtype)
+        pool.rec_g[slot, :, pos] = g_now[:, 0] if cfg.decay == "scalar" else g_now
         pool.rec_k[slot, :, pos] = key.to(rec_dtype)
         pool.rec_u[slot, :, pos] = u.to(rec_dtype)
     return out
