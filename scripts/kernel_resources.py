@@ -83,8 +83,9 @@ def _nvrtc():
     return ctypes.CDLL("libnvrtc.so")
 
 
-def cuda_close_resources(cfg) -> str:
-    """Registers, spills and SASS counts of the CUDA close built for sm_90 by NVRTC."""
+def cuda_close_resources(cfg, prefetch: bool | None = None) -> str:
+    """Registers, spills and SASS counts of the CUDA close built for sm_90 by NVRTC (``prefetch``: staged or
+    not; default: as an H100 builds it)."""
     import ctypes
 
     from leapquant.ops.leapquant_decode import close_cuda
@@ -93,7 +94,8 @@ def cuda_close_resources(cfg) -> str:
     prog = ctypes.c_void_p()
     source = close_cuda.SOURCE.read_text().encode()
     assert lib.nvrtcCreateProgram(ctypes.byref(prog), source, b"close.cu", 0, None, None) == 0
-    prefetch = close_cuda.prefetches(cfg, HOPPER_SHARED_PER_SM)
+    if prefetch is None:
+        prefetch = close_cuda.prefetches(cfg, HOPPER_SHARED_PER_SM)
     options = close_cuda.compile_options(cfg, prefetch=prefetch)
     opts = [b"--gpu-architecture=sm_90", *(o.encode() for o in options)]
     res = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
@@ -125,6 +127,8 @@ def cuda_closes() -> None:
         method = MethodConfig(residual, window=window, compensators=rank, smoothing=True)
         cfg = PoolConfig(method, heads=32, decay="vector" if family == "kda" else "scalar")
         print(f"CUDA close, {family} {residual} p={window} r={rank}: {cuda_close_resources(cfg)}")
+        if window == 16 and rank == 4:  # the unstaged build (misaligned pools, older GPUs) must compile too
+            print(f"CUDA close, {family} {residual} p={window} r={rank}: {cuda_close_resources(cfg, False)}")
 
 
 # the pool's slot shifts (int arguments; unused by these contiguous-pool compiles, PAGED=False)
