@@ -70,55 +70,26 @@ def cubin_report(cubin: bytes, shared: str) -> str:
     return text
 
 
-def _nvrtc():
-    """NVRTC from the ``nvidia-cuda-nvrtc`` wheel or the library path, or ``None``."""
-    import ctypes
-    import glob
-
-    import nvidia  # noqa: F401 - namespace package of the CUDA wheels
-
-    for root in getattr(sys.modules["nvidia"], "__path__", []):
-        for lib in sorted(glob.glob(os.path.join(root, "*", "lib", "libnvrtc.so*"))):
-            return ctypes.CDLL(lib)
-    return ctypes.CDLL("libnvrtc.so")
-
-
 def cuda_close_resources(cfg, prefetch: bool | None = None) -> str:
     """Registers, spills and SASS counts of the CUDA close built for sm_90 by NVRTC (``prefetch``: staged or
     not; default: as an H100 builds it)."""
-    import ctypes
-
     from leapquant.ops.leapquant_decode import close_cuda
 
-    lib = _nvrtc()
-    prog = ctypes.c_void_p()
-    source = close_cuda.SOURCE.read_text().encode()
-    assert lib.nvrtcCreateProgram(ctypes.byref(prog), source, b"close.cu", 0, None, None) == 0
     if prefetch is None:
         prefetch = close_cuda.prefetches(cfg, HOPPER_SHARED_PER_SM)
-    options = close_cuda.compile_options(cfg, prefetch=prefetch)
-    opts = [b"--gpu-architecture=sm_90", *(o.encode() for o in options)]
-    res = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
-    size = ctypes.c_size_t()
-    if res != 0:
-        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-        log = ctypes.create_string_buffer(size.value)
-        lib.nvrtcGetProgramLog(prog, log)
-        raise RuntimeError(log.value.decode())
-    lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
-    cubin = ctypes.create_string_buffer(size.value)
-    lib.nvrtcGetCUBIN(prog, cubin)
+    cubin = close_cuda.build_offline(cfg, prefetch=prefetch)
     shared = close_cuda.shared_bytes(cfg, prefetch=prefetch)
-    return cubin_report(cubin.raw, f"shared {shared} B dynamic, prefetch {'on' if prefetch else 'off'}")
+    return cubin_report(cubin, f"shared {shared} B dynamic, prefetch {'on' if prefetch else 'off'}")
 
 
 def cuda_closes() -> None:
     from leapquant.methods import MethodConfig
     from leapquant.ops import PoolConfig
+    from leapquant.ops.leapquant_decode.close_cuda import _libnvrtc
 
     try:
-        _nvrtc()
-    except (ImportError, OSError):
+        _libnvrtc()
+    except OSError:
         print("CUDA close: NVRTC is not installed here (pip install nvidia-cuda-nvrtc)")
         return
     cases = (("gdn", "int8", 16, 4), ("kda", "int8", 16, 4), ("gdn", "int4", 16, 8),

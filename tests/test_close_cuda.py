@@ -8,6 +8,7 @@ bytes that must come through untouched.
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -114,6 +115,61 @@ def test_shared_memory_size_is_the_kernels_layout(cfg, prefetch):
             if name.startswith("SM_ST"):
                 assert value(name) % 4 == 0, name
     assert f"-DLQ_P={cfg.window}" in options
+
+
+BUILD_CASES = [
+    pytest.param(config(), id="gdn-int8-p16-r4"),
+    pytest.param(config("kda", "int8", 16, 4), id="kda-int8-p16-r4"),
+    pytest.param(config("gdn", "int4", 16, 8, ls=True), id="gdn-int4-p16-r8-ls"),
+    pytest.param(config("kda", "int4", 32, 8), id="kda-int4-p32-r8"),
+    pytest.param(config("gdn", "int6", 16, 4, ls=True), id="gdn-int6-p16-r4-ls"),
+    pytest.param(config("kda", "fp8-e4m3", 32, 4), id="kda-fp8-p32-r4"),
+    pytest.param(config("gdn", "int8", 8, 0, False), id="gdn-int8-p8-r0-unsmoothed"),
+    pytest.param(config("gdn", "int8", 6, 2, iters=3), id="gdn-int8-p6-r2-3iters"),
+    pytest.param(config("gdn", "int8", 5, 3), id="gdn-int8-p5-r3"),
+    pytest.param(config("kda", "int8", 16, 4, records="fp32"), id="kda-int8-p16-r4-rec32"),
+    pytest.param(config("gdn", "int8", 16, 1, records="fp32"), id="gdn-int8-p16-r1-rec32"),
+]
+
+
+@pytest.mark.parametrize("cfg", BUILD_CASES)
+@pytest.mark.parametrize("prefetch", [False, True], ids=["direct", "prefetch"])
+def test_every_variant_builds_for_hopper_without_a_gpu(cfg, prefetch):
+    """``close.cu`` compiles with NVRTC for sm_90, staged and unstaged, in every kind of pool the launcher
+    can be given (both decays, every residual, 0 to 8 tokens, odd windows, fp32 records).  The launcher
+    builds a variant only when a GPU first closes such a pool, so a variant that does not compile (the
+    unstaged one, taken by misaligned pools and older GPUs, once did not) would otherwise fail there.  CI
+    installs ``nvidia-cuda-nvrtc`` (the ``test`` extra) and must not skip this."""
+    from leapquant.ops.leapquant_decode.close_cuda import _libnvrtc, build_offline
+
+    try:
+        _libnvrtc()
+    except OSError as exc:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"NVRTC is not installed here (pip install nvidia-cuda-nvrtc): {exc}")
+    assert unsupported(cfg) is None
+    cubin = build_offline(cfg, prefetch=prefetch)
+    assert cubin[:4] == b"\x7fELF"  # a cubin is an ELF image
+    assert b"leapquant_close" in cubin
+
+
+def test_a_source_that_does_not_compile_is_an_error_with_the_log(monkeypatch, tmp_path):
+    from leapquant.ops.leapquant_decode import close_cuda
+
+    try:
+        close_cuda._libnvrtc()
+    except OSError:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip("NVRTC is not installed here (pip install nvidia-cuda-nvrtc)")
+    broken = tmp_path / "close.cu"
+    text = SOURCE.read_text()
+    assert "const int count = *close_count;" in text
+    broken.write_text(text.replace("const int count = *close_count;", "const int count = *nope;"))
+    monkeypatch.setattr(close_cuda, "SOURCE", broken)
+    with pytest.raises(LeapQuantError, match=r"does not compile for sm_90(.|\n)*nope"):
+        close_cuda.build_offline(config(), prefetch=True)
 
 
 def test_prefetch_only_where_two_blocks_still_share_an_sm():

@@ -22,7 +22,7 @@ from ...formats.residual import CUDA_CLOSE_RESIDUALS
 from ..pool import LeapQuantPool, PoolConfig
 
 __all__ = [
-    "MAX_SHARED", "SOURCE", "THREADS", "compile_options", "launch_cuda_close", "prefetches",
+    "MAX_SHARED", "SOURCE", "THREADS", "build_offline", "compile_options", "launch_cuda_close", "prefetches",
     "shared_bytes", "unavailable", "unsupported",
 ]  # fmt: skip
 
@@ -91,6 +91,57 @@ def shared_bytes(cfg: PoolConfig, *, prefetch: bool = False) -> int:
         floats += v * k * code_bits // 32 + v + (decays + 3) // 4 * 4 + (p * k + p * v) * record_bytes // 4
         floats += (k if cfg.smoothing else 0) + r * (k + v) // 2
     return 4 * floats
+
+
+def _libnvrtc():
+    """NVRTC from the ``nvidia-cuda-nvrtc`` wheel, else from the library path (``OSError`` if neither)."""
+    import ctypes
+    import glob
+    import os
+    import sys
+
+    try:
+        import nvidia  # noqa: F401 - the namespace package of NVIDIA's CUDA wheels
+    except ImportError:
+        return ctypes.CDLL("libnvrtc.so")
+    for root in getattr(sys.modules["nvidia"], "__path__", []):
+        for lib in sorted(glob.glob(os.path.join(root, "*", "lib", "libnvrtc.so*"))):
+            return ctypes.CDLL(lib)
+    return ctypes.CDLL("libnvrtc.so")
+
+
+def build_offline(cfg: PoolConfig, *, prefetch: bool, arch: str = "sm_90") -> bytes:
+    """The close for pools of ``cfg`` built by NVRTC for ``arch`` without a GPU: the cubin.
+
+    The launcher builds a variant only when a GPU first closes such a pool, so a variant that does not
+    compile (say the unstaged one, which misaligned pools and pre-Ampere GPUs take) would otherwise fail
+    only there; CI builds them all with this (``nvidia-cuda-nvrtc``), and ``scripts/kernel_resources.py``
+    reads their registers and spills.  Raises ``OSError`` without NVRTC and :class:`LeapQuantError` with
+    the compiler's log if the source does not compile.
+    """
+    import ctypes
+
+    lib = _libnvrtc()
+    prog = ctypes.c_void_p()
+    if lib.nvrtcCreateProgram(ctypes.byref(prog), SOURCE.read_bytes(), b"close.cu", 0, None, None) != 0:
+        raise LeapQuantError("NVRTC could not create a program from close.cu")
+    try:
+        options = [f"--gpu-architecture={arch}", *compile_options(cfg, prefetch=prefetch)]
+        opts = (ctypes.c_char_p * len(options))(*(o.encode() for o in options))
+        size = ctypes.c_size_t()
+        if lib.nvrtcCompileProgram(prog, len(options), opts) != 0:
+            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+            log = ctypes.create_string_buffer(size.value)
+            lib.nvrtcGetProgramLog(prog, log)
+            raise LeapQuantError(
+                f"close.cu does not compile for {arch} ({' '.join(options)}):\n{log.value.decode()}"
+            )
+        lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
+        cubin = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetCUBIN(prog, cubin)
+        return cubin.raw
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
 @functools.cache
