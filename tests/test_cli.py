@@ -251,3 +251,19 @@ def test_bench_report_names_a_file_that_is_not_a_report(capsys, tmp_path):
     assert "not a bench kernel report" in capsys.readouterr().err
     assert main(["bench", "report", str(tmp_path / "missing.json")]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def test_simulate_counts_one_decay_a_record_for_gdn_and_one_per_channel_for_kda():
+    """A GDN trace stores its scalar decay expanded over the key channels; its record buffer still holds one
+    decay a record, as the pool does (``MethodConfig.record_buffer_bytes``)."""
+    from leapquant.eval.simulate import simulate
+    from leapquant.methods import parse_method
+    from leapquant.traces.synth import SynthConfig, synthesize
+
+    cfg = parse_method("leapquant-int8")
+    for family, decays in (("gdn", 1), ("kda", 16)):
+        trace = synthesize(SynthConfig(family=family, streams=2, tokens=40, d_k=16, d_v=8, seed=3))
+        report = simulate([trace], ["leapquant-int8"], checkpoints=2)
+        got = report["methods"]["leapquant-int8"]["record_buffer_bytes_per_head"]
+        assert got == cfg.record_buffer_bytes(16, 8, decays), family
+    assert cfg.record_buffer_bytes(16, 8, 1) < cfg.record_buffer_bytes(16, 8, 16)

@@ -166,8 +166,9 @@ def simulate(
 
     Per method: ``output_rel_err``, ``state_rel_err`` (``[[step, value], ...]`` at ``checkpoints`` evenly
     spaced steps), ``final_state_rel_err``, ``bytes_per_element`` (boundary storage, weighted over the
-    traces' head shapes), plus the canonical configuration, record-buffer bytes, quantization count,
-    seconds and a per-trace breakdown.
+    traces' head shapes), plus the canonical configuration, record-buffer bytes (one decay a record where a
+    trace's decays are equal across its key channels, as GDN's are; else one per channel), quantization
+    count, seconds and a per-trace breakdown.
     """
     if not traces:
         raise LeapQuantError("simulate: no traces given")
@@ -198,6 +199,8 @@ def simulate(
     bpe, buffer = dict.fromkeys(methods, 0.0), dict.fromkeys(methods, 0.0)
     for trace in traces:
         rec = trace.records
+        # a scalar decay (GDN) is stored expanded over the key channels; a pool keeps one value a record
+        decay_values = 1 if bool((rec.a == rec.a[..., :1]).all()) else rec.d_k
         wanted = [s for s in steps if s <= rec.steps] + [rec.steps]
         ref_out, ref_states = exact_recurrence(rec, trace.initial_state, checkpoints=wanted)
         if rec.emit is not None:
@@ -223,7 +226,7 @@ def simulate(
                 "final_state_rel_err": _Pool.ratio(single.final),
             }
             bpe[name] += weight * cfg.bytes_per_element(rec.d_k, rec.d_v)
-            buffer[name] += trace.streams * cfg.record_buffer_bytes(rec.d_k, rec.d_v)
+            buffer[name] += trace.streams * cfg.record_buffer_bytes(rec.d_k, rec.d_v, decay_values)
     report = {}
     for name, cfg in configs.items():
         pool = pools[name]
