@@ -117,6 +117,18 @@ def test_shared_memory_size_is_the_kernels_layout(cfg, prefetch):
     assert f"-DLQ_P={cfg.window}" in options
 
 
+def _nvrtc_or_skip() -> None:
+    """Skip without NVRTC, except in CI, which installs it (the ``test`` extra) and must run these."""
+    from leapquant.ops.leapquant_decode.close_cuda import _libnvrtc
+
+    try:
+        _libnvrtc()
+    except OSError as exc:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"NVRTC is not installed here (pip install nvidia-cuda-nvrtc): {exc}")
+
+
 BUILD_CASES = [
     pytest.param(config(), id="gdn-int8-p16-r4"),
     pytest.param(config("kda", "int8", 16, 4), id="kda-int8-p16-r4"),
@@ -140,14 +152,9 @@ def test_every_variant_builds_for_hopper_without_a_gpu(cfg, prefetch):
     builds a variant only when a GPU first closes such a pool, so a variant that does not compile (the
     unstaged one, taken by misaligned pools and older GPUs, once did not) would otherwise fail there.  CI
     installs ``nvidia-cuda-nvrtc`` (the ``test`` extra) and must not skip this."""
-    from leapquant.ops.leapquant_decode.close_cuda import _libnvrtc, build_offline
+    from leapquant.ops.leapquant_decode.close_cuda import build_offline
 
-    try:
-        _libnvrtc()
-    except OSError as exc:
-        if os.environ.get("CI"):
-            raise
-        pytest.skip(f"NVRTC is not installed here (pip install nvidia-cuda-nvrtc): {exc}")
+    _nvrtc_or_skip()
     assert unsupported(cfg) is None
     cubin = build_offline(cfg, prefetch=prefetch)
     assert cubin[:4] == b"\x7fELF"  # a cubin is an ELF image
@@ -157,12 +164,7 @@ def test_every_variant_builds_for_hopper_without_a_gpu(cfg, prefetch):
 def test_a_source_that_does_not_compile_is_an_error_with_the_log(monkeypatch, tmp_path):
     from leapquant.ops.leapquant_decode import close_cuda
 
-    try:
-        close_cuda._libnvrtc()
-    except OSError:
-        if os.environ.get("CI"):
-            raise
-        pytest.skip("NVRTC is not installed here (pip install nvidia-cuda-nvrtc)")
+    _nvrtc_or_skip()
     broken = tmp_path / "close.cu"
     text = SOURCE.read_text()
     assert "const int count = *close_count;" in text
