@@ -87,12 +87,13 @@ def test_trace_states_its_size_before_recording(tmp_path, capsys):
 
 
 def test_methods_names_the_family_of_each_record_buffer(tmp_path, capsys):
-    """A record holds one decay value for GDN and d_k for KDA: 8,260 and 16,388 bytes for leapquant-int8."""
+    """A record holds one fp32 running sum of decays for GDN and d_k fp16 decays for KDA: 8,260 and 12,292
+    bytes for leapquant-int8's 16 records and position."""
     out = tmp_path / "m.json"
     assert main(["methods", "--json", str(out)]) == 0
     row = next(r for r in json.loads(out.read_text()) if r["method"] == "leapquant-int8")
-    assert row["record_buffer_bytes_per_head_gdn"] == 8260
-    assert row["record_buffer_bytes_per_head_kda"] == 16388
+    assert row["record_buffer_bytes_per_head_gdn"] == 16 * (4 + 2 * 256) + 4
+    assert row["record_buffer_bytes_per_head_kda"] == 16 * 2 * (128 + 256) + 4
     assert "records B/head GDN" in capsys.readouterr().out
 
 

@@ -90,23 +90,24 @@ def test_cuda_close_on_a_cpu_pool_is_an_error_not_a_fallback():
     [
         config(), config("kda", "int4", 32, 8), config("gdn", "fp8-e4m3", 8, 0, False),
         config(rank=2, iters=3), config("gdn", "int8", 6, 2), config("kda", "int8", 16, 4, records="fp32"),
+        config("gdn", "int8", 5, 2), config("kda", "int8", 5, 2),
     ],
     ids=["gdn-int8-p16-r4", "kda-int4-p32-r8", "gdn-fp8-p8-r0", "gdn-int8-r2-3iters", "gdn-int8-p6-r2",
-         "kda-int8-rec32"],
+         "kda-int8-rec32", "gdn-int8-p5-r2", "kda-int8-p5-r2"],
 )
 @pytest.mark.parametrize("prefetch", [False, True], ids=["direct", "prefetch"])
 def test_shared_memory_size_is_the_kernels_layout(cfg, prefetch):
     """``shared_bytes`` (what the launch reserves) equals the ``SM_FLOATS`` of ``close.cu``'s layout, with
     and without the staging area of the next head."""
     text = SOURCE.read_text()  # where the launcher reads it: an installed package carries it too
-    macros = dict(re.findall(r"^#define (SM_\w+) (.+?)(?:\s*//.*)?$", text, re.M))
+    macros = dict(re.findall(r"^#define (SM_\w+|G_N|DEC_BYTES) (.+?)(?:\s*//.*)?$", text, re.M))
     options = compile_options(cfg, prefetch=prefetch)
     values = {"K": cfg.d_k, "V": cfg.d_v, "P": cfg.window, "R": cfg.compensators}
     values |= {m[0]: int(m[1]) for m in re.findall(r"^-D(LQ_\w+)=(\d+)$", "\n".join(options), re.M)}
     assert values["LQ_PREFETCH"] == int(prefetch)
 
     def value(name: str) -> int:
-        expr = re.sub(r"\b(SM_\w+)\b", lambda m: f"({value(m.group(1))})", macros[name])
+        expr = re.sub(r"\b(SM_\w+|G_N|DEC_BYTES)\b", lambda m: f"({value(m.group(1))})", macros[name])
         return eval(expr.replace("/", "//"), {}, values)  # C's integer division of non-negative ints
 
     assert 4 * value("SM_FLOATS") == shared_bytes(cfg, prefetch=prefetch)
@@ -206,6 +207,8 @@ GPU_CASES = [
     pytest.param("kda", "int4+ls", 16, 8, True, 1, id="kda-int4-p16-r8-smooth-ls"),
     # a window that is not a multiple of 4: the log decays are staged in 4-byte pieces
     pytest.param("gdn", "int8", 6, 2, True, 1, id="gdn-int8-p6-r2-smooth"),
+    # KDA's fp16 decays of an odd window: 5 x 128 of them, staged in 16-byte pieces
+    pytest.param("kda", "int8", 5, 2, True, 1, id="kda-int8-p5-r2-smooth"),
     pytest.param("kda", "int8+rec32", 16, 4, True, 1, id="kda-int8-p16-r4-smooth-fp32-records"),
 ]
 
@@ -267,7 +270,10 @@ def _check_against_triton(family, residual, window, rank, smooth, iters, misalig
         for impl, p in pools.items()
     }
     a, b = pools["triton"].tensors, pools["cuda"].tensors
-    assert torch.equal(outs["triton"], outs["cuda"])  # the same step kernel
+    if misalign:  # Triton specializes the step on 16-byte alignment: the KDA decays' product may round apart
+        assert float((outs["cuda"] - outs["triton"]).norm() / outs["triton"].norm()) < 1e-6
+    else:
+        assert torch.equal(outs["triton"], outs["cuda"])  # the same step kernel
     assert not a["pos"][:n].any() and torch.equal(a["pos"], b["pos"])
     for name in a:
         assert torch.equal(b[name][n:].view(torch.uint8), base.tensors[name][n:].view(torch.uint8)), name

@@ -179,6 +179,59 @@ def test_kernel_matches_reference_and_tracks_the_exact_state(
             assert rel(dense["triton"], dense["reference"]) < 0.5 * rel(dense["reference"], truth)
 
 
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("family", ["gdn", "kda"])
+def test_records_keep_log_decays_as_the_pool_says(family, backend):
+    """KDA records store each token's own log decays in fp16, GDN records the fp32 running sums, both of
+    decays clamped at ``LOG_DECAY_FLOOR`` (without the clamp GDN's sums fail the bound after the e^-1e6
+    gate).  A fast decay keeps the precision of the record's key: half the value heads fall by e^-1 a token
+    in every channel, e^-16 within a window of 16.  Storing fp16 running sums for KDA instead fails the
+    bound below (4.6e-4 to 5.8e-4 against at most 3.6e-4, at this size and at K = V = 128).  A decay below
+    the floor (here e^-1e6, -inf in fp16) empties the head's state, and a NaN gate stays NaN.  The CUDA
+    close reads the same records: ``test_close_cuda.py`` checks it against the Triton close."""
+    from leapquant.ops.leapquant_decode import LaunchConfig
+    from leapquant.ops.pool import LOG_DECAY_FLOOR
+
+    n, h, hv, window = 3, 2, 4, 16
+    launch = LaunchConfig(close_impl="triton")
+    gen = torch.Generator(device=DEVICE).manual_seed(11)
+    cfg = pool_config(heads=hv, d_k=K, d_v=V, window=window, compensators=0, smoothing=False, residual="fp32",
+                     records="fp16", decay="vector" if family == "kda" else "scalar")  # fmt: skip
+    pool = LeapQuantPool.allocate(cfg, n, DEVICE)
+    assert pool.rec_g.dtype == (torch.float16 if family == "kda" else torch.float32)
+    slots = torch.arange(n, dtype=torch.int32, device=DEVICE)
+    exact = ExactStates(n, hv)
+    s0 = 0.3 * torch.randn(n, hv, K, V, generator=gen, device=DEVICE)
+    load_states(pool, slots, s0, backend=backend)
+    exact.load(slots, s0)
+    errs = []
+    rows = torch.arange(n, device=DEVICE)
+    for t in range(2 * window + 3):
+        q, k, v, g, beta = tokens(family, n, h, hv, gen)
+        g[:, : hv // 2] -= 1.0  # fast value heads
+        if t == window + 5:
+            g[1, 0] = -1e6  # below the floor: sequence 1's head 0 forgets its state
+        pos = pool.pos[:, 0].long().clone()
+        before = pool.rec_g[rows, :, pos - 1].clone()  # the running sum so far (GDN; wraps at pos 0)
+        out = leapquant_decode(pool, slots, q, k, v, g, beta, backend=backend, launch=launch)
+        stored = pool.rec_g[rows, :, pos]
+        clamped = g.clamp_min(LOG_DECAY_FLOOR)
+        if family == "kda":
+            assert torch.equal(stored.view(torch.int16), clamped.half().view(torch.int16))
+        else:
+            assert torch.equal(stored, torch.where((pos > 0)[:, None], before, 0.0) + clamped)
+        ref = exact.step(slots, q, k, v, g, beta)
+        assert torch.isfinite(out).all()
+        errs.append(rel(out, ref))
+    assert max(errs) < 4.2e-4, max(errs)  # the rounding of the fp16 keys and corrections
+    assert rel(materialize_states(pool, slots, backend=backend), exact.state) < 4e-4
+    q, k, v, g, beta = tokens(family, n, h, hv, gen)
+    g[2, 1] = float("nan")
+    out = leapquant_decode(pool, slots, q, k, v, g, beta, backend=backend, launch=launch)
+    assert torch.isnan(pool.rec_g[2, 1]).any() and not torch.isnan(pool.rec_g[:2]).any()
+    assert not torch.isfinite(out[2, 1]).all() and torch.isfinite(out[:2]).all()
+
+
 @pytest.mark.parametrize(
     ("residual", "spread"),
     [

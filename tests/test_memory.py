@@ -257,10 +257,16 @@ def test_leapquant_int8_is_1_1875_bytes_per_element_through_the_planner():
     b = plan.state_breakdown
     assert b["payload"] == elements and b["scale"] == b["smooth"] == elements * 4 // 128
     assert b["comp_k"] == b["comp_u"] == elements * 4 * 2 // 128
-    # the live slot adds the record buffer: 16 records of fp32 log decay, fp16 key and correction, + position
+    # the live slot adds the record buffer: 16 records of fp32 running log decay, fp16 key and correction,
+    # + position
     records = b["rec_g"] + b["rec_k"] + b["rec_u"] + b["pos"]
     assert records == shape.linear_layers * shape.heads_v * (16 * (4 + 2 * 256) + 4)
     assert plan.state_bytes == ckpt_state + records
+    # KDA decays one key channel at a time: a record is 128 fp16 log decays, a key and a correction, 768 B
+    kimi = PRESETS["kimi-linear-48b-a3b"]
+    b = plan_memory(kimi, "leapquant-int8", context=4096, gpu_memory_gib=141).state_breakdown
+    records = b["rec_g"] + b["rec_k"] + b["rec_u"] + b["pos"]
+    assert records == kimi.linear_layers * kimi.heads_v * (16 * 768 + 4)
 
 
 @pytest.mark.parametrize("key", ["qwen3.5-9b", "kimi-linear-48b-a3b"])

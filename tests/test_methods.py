@@ -224,7 +224,10 @@ def test_leapquant_int8_costs_1_19_bytes_per_element():
     # int8 payload 1 + fp32 value scales 4/128 + fp32 smoothing 4/128 + 4 fp16 tokens 4*256*2/16384
     assert cfg.bytes_per_element(128, 128) == pytest.approx(1.1875)
     assert round(cfg.bytes_per_element(128, 128), 2) == 1.19
-    assert cfg.record_buffer_bytes(128, 128) == 16 * (4 * 128 + 2 * 256) + 4
+    # 16 records of 128 log decays (KDA), a key and a correction, all fp16, and the position
+    assert cfg.record_buffer_bytes(128, 128) == 16 * 2 * (128 + 2 * 128) + 4
+    assert cfg.record_buffer_bytes(128, 128, 1) == 16 * (4 + 2 * 2 * 128) + 4  # GDN: one fp32 running sum
+    assert parse_method("int8/w16+rec32").record_buffer_bytes(128, 128) == 16 * 4 * (128 + 2 * 128) + 4
 
 
 @pytest.mark.parametrize("fmt_name", ["int8", "int6", "int4"])

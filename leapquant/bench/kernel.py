@@ -63,8 +63,9 @@ def state_bytes_per_step(variant: Variant, case: KernelCase) -> float:
         return heads * 2 * variant.state_bytes_per_head(case.d_k, case.d_v)
     cfg = variant.pool_config(case.heads, case.d_k, case.d_v, "vector" if case.family == "kda" else "scalar")
     boundary = cfg.boundary_bytes_per_head()
-    rb = 2 if cfg.records == "fp16" else 4
-    record = rb * (case.d_k + case.d_v) + 4 * (case.d_k if cfg.decay == "vector" else 1)
+    # a record: key and correction at the record precision, and log decay(s) (pool.PoolConfig.decay_dtype)
+    decays = case.d_k if cfg.decay == "vector" else 1
+    record = cfg.record_dtype.itemsize * (case.d_k + case.d_v) + cfg.decay_dtype.itemsize * decays
     p = cfg.window
     per_head = boundary + (p - 1) / 2 * record + record + 4  # read boundary and records, write one record
     if not variant.step_only:
@@ -117,8 +118,8 @@ def _randomize(pool, gen: torch.Generator) -> None:
     for name in ("comp_k", "comp_u", "rec_k", "rec_u"):
         if name in t:
             t[name].copy_((0.1 * torch.randn(t[name].shape, generator=gen, device=dev)).to(t[name].dtype))
-    steps = -0.05 * torch.rand(t["rec_g"].shape, generator=gen, device=dev)
-    t["rec_g"].copy_(steps.cumsum(dim=2))
+    steps = -0.05 * torch.rand(t["rec_g"].shape, generator=gen, device=dev)  # each record's log decay
+    t["rec_g"].copy_(steps if cfg.decay == "vector" else steps.cumsum(dim=2))  # GDN: running sums
     t["pos"].copy_(torch.randint(0, cfg.window, t["pos"].shape[:1], generator=gen, device=dev)[:, None].int())
 
 

@@ -201,7 +201,9 @@ class MethodConfig:
         return total
 
     def record_buffer_bytes(self, d_k: int, d_v: int, decay_values: int | None = None) -> int:
-        """Bytes of one head's record buffer: p records of fp32 decay, key and correction, plus the position.
+        """Bytes of one head's record buffer: p records of key and correction at the record precision and
+        log decay (an fp32 running sum for a scalar decay, at the record precision per key channel), plus
+        the position.
 
         ``decay_values`` is the number of decay values per record (1 for a scalar decay such as GDN's,
         ``d_k`` for KDA; default ``d_k``).  A per-step method buffers nothing.
@@ -211,7 +213,8 @@ class MethodConfig:
             return 0
         rec = RECORD_PRECISIONS[self.records]
         decay = d_k if decay_values is None else decay_values
-        return self.window * (4 * decay + rec * (d_k + d_v)) + 4
+        decay_bytes = 4 if decay == 1 else rec * decay
+        return self.window * (decay_bytes + rec * (d_k + d_v)) + 4
 
 
 def parse_method(name: str) -> MethodConfig:

@@ -1,4 +1,5 @@
-"""Triton helpers shared by the decode kernels: exact rounding and the model-native token preamble."""
+"""Triton helpers shared by the decode kernels: exact rounding, the model-native token preamble, the pool's
+page bases and the records' cumulative decays."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ __all__ = [
     "e4m3_grid",
     "native_token",
     "page_bases",
+    "record_decays",
     "rint",
     "tf32_split",
 ]
@@ -131,3 +133,33 @@ def page_bases(
         rec_u += slot * shift_rec_u
         pos += slot * shift_pos
     return payload, scale_v, smooth, comp_k, comp_u, rec_g, rec_k, rec_u, pos
+
+
+@triton.jit
+def record_decays(rec_g, i_s, count, K: tl.constexpr, P: tl.constexpr, BP: tl.constexpr):
+    """KDA's cumulative log decays for head ``i_s``'s first ``count`` records, from the records' own ones
+    (``rec_g [.., P, K]``: KDA records keep each token's decays, GDN records their running sums).
+
+    Returns fp32 ``(total, since)``: ``total [K] = G_count = g_1 + ... + g_count`` and ``since [BP, K]``, row
+    ``j`` the log decay after record ``j`` up to record ``count`` (``g_{j+1} + ... + g_count``), zero from
+    row ``count - 1`` on.  ``since`` is one product with a strictly triangular 0/1 matrix, not a scan: a scan
+    along the records axis of a ``[BP, K]`` tile goes through shared memory and cost the KDA step 15-34%
+    (H100, e62f7e6).  On tensor cores (``BP >= 16``) fp16 decays are exact operands; fp32 ones are split
+    into two tf32 halves.
+    """
+    o_p = tl.arange(0, BP)
+    o_k = tl.arange(0, K)
+    mask_p = o_p < count
+    b_after = (o_p[None, :] > o_p[:, None]) & mask_p[None, :]  # [j, i]: record i counts toward row j
+    b_g = tl.load(rec_g + (i_s * P + o_p[:, None]) * K + o_k[None, :], mask=mask_p[:, None], other=0.0)
+    b_total = tl.sum(b_g.to(tl.float32), 0)
+    if BP < 16:  # too small for a tensor-core product
+        b_since = tl.sum(tl.where(b_after[:, :, None], b_g.to(tl.float32)[None, :, :], 0.0), 1)
+    elif b_g.dtype == tl.float16:
+        b_since = tl.dot(b_after.to(tl.float16), b_g, out_dtype=tl.float32)
+    else:
+        b_hi, b_lo = tf32_split(b_g)
+        b_ones = b_after.to(tl.float32)
+        b_since = tl.dot(b_ones, b_hi, input_precision="tf32")
+        b_since = tl.dot(b_ones, b_lo, acc=b_since, input_precision="tf32")
+    return b_total, b_since

@@ -18,17 +18,23 @@ scale        ``[S, HV, V]`` fp32              per-value-channel scale (int8/int6
 smooth       ``[S, HV, K]`` fp32              smoothing scales ``c`` (when smoothing)
 comp_k       ``[S, HV, R, K]`` fp16           compensator keys ``K~`` (orthonormal columns)
 comp_u       ``[S, HV, R, V]`` fp16           compensator values ``U~ = S^T K~``
-rec_g        ``[S, HV, P]`` or ``[S,HV,P,K]``  cumulative log decay ``G_j`` since the window start
-             fp32                             (scalar for GDN, per key channel for KDA)
+rec_g        ``[S, HV, P]`` fp32 (GDN)        GDN: cumulative log decay ``G_j = g_1 + ... + g_j`` since
+             ``[S, HV, P, K]`` fp16/fp32      the window start; KDA: record ``j``'s own log decay ``g_j``
+             (KDA)                            per key channel, at the record precision; each ``g_j``
+                                              clamped at ``LOG_DECAY_FLOOR``
 rec_k        ``[S, HV, P, K]`` fp16/fp32      write keys ``k_j`` (beta folded in)
 rec_u        ``[S, HV, P, V]`` fp16/fp32      corrections ``u_j = v_j - S_{j-1}^T b_j``
 pos          ``[S, HV]`` int32                records in the current window, ``0 <= pos < P``
 ===========  ===============================  ====================================================
 
-Decays are buffered as cumulative log decays so a read needs one subtraction and one ``exp`` per record
-(``Gamma_{j+1:l} = exp(G_l - G_j)``) instead of a running product; they stay fp32 because decays near 1
-are the ones that matter and fp16 cannot resolve them.  The position is kept per head so the kernel
-that closes windows can advance it without racing other heads of the same slot.
+A read needs ``Gamma_{j+1:l} = exp(G_l - G_j)`` per record: one subtraction and one ``exp``, no running
+product.  GDN keeps the running sums ``G_j`` in fp32: a scalar a record (4 of its 516 bytes), read as
+stored.  KDA keeps 128 decays a record, half its bytes in fp32, so it stores each token's own log decay at
+the record precision and a read sums them (one product with a triangular 0/1 matrix on tensor cores).  In
+fp16 a token's log decay then carries a rounding error relative to itself, as small as its key's; fp16
+running sums would round recent records' decays to the precision of the window's total.  A KDA record is
+768 B, not 1,024 (the simulator, :class:`~leapquant.methods.WindowedState`, keeps exact decays).  The position
+is kept per head so the kernel that closes windows can advance it without racing other heads of the same slot.
 """
 
 from __future__ import annotations
@@ -41,9 +47,14 @@ from ..errors import LeapQuantError
 from ..formats.residual import RESIDUAL_FORMATS, ResidualFormat
 from ..methods.config import MethodConfig
 
-__all__ = ["LeapQuantPool", "PoolConfig", "pool_unsupported"]
+__all__ = ["LOG_DECAY_FLOOR", "LeapQuantPool", "PoolConfig", "pool_unsupported"]
 
 DECAYS = ("scalar", "vector")
+# Records take each token's log decay clamped to this floor: exp of anything below it underflows fp32 (whose
+# smallest subnormal is about e^-103) however it is summed, so the clamp changes no fp32 result; KDA's fp16
+# decays stay finite (fp16 ends at -65504) and GDN's fp32 running sums stay small enough to subtract (after
+# a gate of -1e6 they would carry errors of 0.06 in the later records' decays).
+LOG_DECAY_FLOOR = -128.0
 MAX_COMPENSATORS = 16
 # the pool tensors in the order the kernels take them (and their slot shifts, LeapQuantPool.slot_shift)
 SHIFT_ORDER = ("payload", "scale", "smooth", "comp_k", "comp_u", "rec_g", "rec_k", "rec_u", "pos")
@@ -158,6 +169,11 @@ class PoolConfig:
     def record_dtype(self) -> torch.dtype:
         return torch.float16 if self.records == "fp16" else torch.float32
 
+    @property
+    def decay_dtype(self) -> torch.dtype:
+        """``rec_g``'s dtype: fp32 running sums for a scalar decay, the record precision per key channel."""
+        return torch.float32 if self.decay == "scalar" else self.record_dtype
+
     def shapes(self, slots: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Every tensor of a pool of ``slots`` slots: name -> (shape, dtype)."""
         s, h, k, v, p, r = slots, self.heads, self.d_k, self.d_v, self.window, self.compensators
@@ -169,7 +185,7 @@ class PoolConfig:
         if r:
             out["comp_k"] = ((s, h, r, k), torch.float16)
             out["comp_u"] = ((s, h, r, v), torch.float16)
-        out["rec_g"] = ((s, h, p) if self.decay == "scalar" else (s, h, p, k), torch.float32)
+        out["rec_g"] = ((s, h, p) if self.decay == "scalar" else (s, h, p, k), self.decay_dtype)
         out["rec_k"] = ((s, h, p, k), self.record_dtype)
         out["rec_u"] = ((s, h, p, v), self.record_dtype)
         out["pos"] = ((s, h), torch.int32)

@@ -62,6 +62,15 @@ __device__ __forceinline__ float rec_load(const rec_t* p) { return h2f(*p); }
 typedef float rec_t;
 __device__ __forceinline__ float rec_load(const rec_t* p) { return *p; }
 #endif
+// The records' log decays (pool.py): KDA keeps each token's own at the record precision, GDN the fp32
+// running sums since the window start.
+#if LQ_VECTOR_DECAY
+typedef rec_t dec_t;
+__device__ __forceinline__ float dec_load(const dec_t* p) { return rec_load(p); }
+#else
+typedef float dec_t;
+__device__ __forceinline__ float dec_load(const dec_t* p) { return *p; }
+#endif
 
 // One level of a reduce-scatter over the 16 threads of a row: a thread holding N partial sums keeps half
 // (the upper half where bit ``o`` of its column block is set) and adds the partner's copy of that half;
@@ -192,6 +201,9 @@ __device__ __forceinline__ void store_codes(unsigned char* payload, long long i_
 #endif
 }
 
+#define G_N (P * (1 + (K - 1) * LQ_VECTOR_DECAY))    // log decays a head's records hold: [P] or [P][K]
+#define DEC_BYTES (4 - 2 * LQ_REC16 * LQ_VECTOR_DECAY)  // sizeof(dec_t)
+
 // Shared memory, in floats.
 #define SM_KEYS 0                    // [P][K] record keys (KDA: decayed to the window's end)
 #define SM_VALS (SM_KEYS + P * K)    // [P][V] record values (GDN: times the decay to the window's end)
@@ -208,8 +220,8 @@ __device__ __forceinline__ void store_codes(unsigned char* payload, long long i_
 #define SM_STAGE (SM_RC + K)
 #define SM_ST_CODES SM_STAGE                                                   // [V][K] codes
 #define SM_ST_SCALE (SM_ST_CODES + V * K * (8 - 4 * (LQ_RESIDUAL == 4)) / 32)  // [V] channel scales
-#define SM_ST_G (SM_ST_SCALE + V)                                  // [P] or [P][K] log decays
-#define SM_ST_RK (SM_ST_G + (P * (1 + (K - 1) * LQ_VECTOR_DECAY) + 3) / 4 * 4)  // [P][K] record keys
+#define SM_ST_G (SM_ST_SCALE + V)                                  // [G_N] log decays
+#define SM_ST_RK (SM_ST_G + (G_N * DEC_BYTES + 15) / 16 * 4)       // [P][K] record keys
 #define SM_ST_RU (SM_ST_RK + P * K * (2 - LQ_REC16) / 2)           // [P][V] record values
 #define SM_ST_SMOOTH (SM_ST_RU + P * V * (2 - LQ_REC16) / 2)       // [K] smoothing scales
 #define SM_ST_CK (SM_ST_SMOOTH + K * LQ_SMOOTH)                    // [R][K] fp16 token keys
@@ -240,7 +252,7 @@ __device__ __forceinline__ void copy_async(float* dst, const void* src, int tid)
 
 extern "C" __global__ void __launch_bounds__(NT, 2) leapquant_close(
     const int* __restrict__ close_list, const int* __restrict__ close_count, unsigned char* payload,
-    float* scale_v, float* smooth, half_bits* comp_k, half_bits* comp_u, const float* __restrict__ rec_g,
+    float* scale_v, float* smooth, half_bits* comp_k, half_bits* comp_u, const dec_t* __restrict__ rec_g,
     const rec_t* __restrict__ rec_k, const rec_t* __restrict__ rec_u, int* pos, double smooth_floor_d,
     double qmax_d) {
     extern __shared__ __align__(16) float sm[];
@@ -254,10 +266,10 @@ extern "C" __global__ void __launch_bounds__(NT, 2) leapquant_close(
     // a head's inputs, copied into the staging area (one commit group; a block has one in flight)
     auto stage = [&](int head) {
         const long long h = head;
-        constexpr int G_N = P * (1 + (K - 1) * LQ_VECTOR_DECAY);
+        static_assert(sizeof(dec_t) == DEC_BYTES, "the staging layout's decay size");
         copy_async<V * ROW_BYTES>(sm + SM_ST_CODES, payload + h * V * ROW_BYTES, tid);
         copy_async<V * 4>(sm + SM_ST_SCALE, scale_v + h * V, tid);
-        copy_async<G_N * 4>(sm + SM_ST_G, rec_g + h * G_N, tid);
+        copy_async<G_N * DEC_BYTES>(sm + SM_ST_G, rec_g + h * G_N, tid);
         copy_async<P * K * (int)sizeof(rec_t)>(sm + SM_ST_RK, rec_k + h * P * K, tid);
         copy_async<P * V * (int)sizeof(rec_t)>(sm + SM_ST_RU, rec_u + h * P * V, tid);
 #if LQ_SMOOTH
@@ -283,7 +295,7 @@ extern "C" __global__ void __launch_bounds__(NT, 2) leapquant_close(
         __syncthreads();  // every thread's copies have landed
         const unsigned char* in_codes = (const unsigned char*)(sm + SM_ST_CODES);
         const float* in_scale = sm + SM_ST_SCALE;
-        const float* in_g = sm + SM_ST_G;
+        const dec_t* in_g = (const dec_t*)(sm + SM_ST_G);
         const rec_t* in_rk = (const rec_t*)(sm + SM_ST_RK);
         const rec_t* in_ru = (const rec_t*)(sm + SM_ST_RU);
         const float* in_smooth = sm + SM_ST_SMOOTH;
@@ -293,7 +305,7 @@ extern "C" __global__ void __launch_bounds__(NT, 2) leapquant_close(
         const long long i_s = close_list[idx];
         const unsigned char* in_codes = payload + i_s * V * ROW_BYTES;
         const float* in_scale = scale_v + i_s * V;
-        const float* in_g = rec_g + i_s * P * (1 + (K - 1) * LQ_VECTOR_DECAY);
+        const dec_t* in_g = rec_g + i_s * G_N;
         const rec_t* in_rk = rec_k + i_s * P * K;
         const rec_t* in_ru = rec_u + i_s * P * V;
         const float* in_smooth = smooth + i_s * K;
@@ -314,19 +326,37 @@ extern "C" __global__ void __launch_bounds__(NT, 2) leapquant_close(
 
         // ---- the head's factors (close.py _window_factors), every load of a loop issued at once ----
 #if LQ_VECTOR_DECAY
-        const float* g = in_g;
-#define END_DECAY(k) expf(g[(P - 1) * K + (k)])
-        #pragma unroll
-        for (int t = 0; t < (P * K + NT - 1) / NT; ++t) {
-            const int e = tid + t * NT;
-            if (e < P * K) sm[SM_KEYS + e] = rec_load(in_rk + e) * expf(g[(P - 1) * K + e % K] - g[e]);
-        }
-        #pragma unroll
-        for (int t = 0; t < (P * V + NT - 1) / NT; ++t) {
-            const int e = tid + t * NT;
-            if (e < P * V) sm[SM_VALS + e] = rec_load(in_ru + e);
-        }
+        // KDA: the decay from record p to the window's end is the sum of the decays after it, summed from the
+        // window's end down (the Triton close and naive.py sum the same terms in other orders)
+        static_assert(NT >= 2 * K, "a thread per key channel, and as many for the values");
+        if (tid < K) {  // key channel tid: its decays, its record keys decayed to the end, its token keys
+            float since = 0.f;
+            #pragma unroll
+            for (int p = P - 1; p >= 0; --p) {
+                sm[SM_KEYS + p * K + tid] = rec_load(in_rk + p * K + tid) * expf(since);
+                since += dec_load(in_g + p * K + tid);
+            }
+            const float end = expf(since);
+#if LQ_SMOOTH
+            sm[SM_COL + tid] = in_smooth[tid] * end;
 #else
+            sm[SM_COL + tid] = end;
+#endif
+            #pragma unroll
+            for (int r = 0; r < R; ++r) sm[SM_TK + r * K + tid] = h2f(in_ck[r * K + tid]) * end;
+        } else {  // the other threads: the record and token values as stored
+            #pragma unroll
+            for (int t = 0; t < (P * V + NT - K - 1) / (NT - K); ++t) {
+                const int e = tid - K + t * (NT - K);
+                if (e < P * V) sm[SM_VALS + e] = rec_load(in_ru + e);
+            }
+            #pragma unroll
+            for (int t = 0; t < (R * V + NT - K - 1) / (NT - K); ++t) {
+                const int e = tid - K + t * (NT - K);
+                if (e < R * V) sm[SM_TU + e] = h2f(in_cu[e]);
+            }
+        }
+#else  // GDN: the running sums as stored
         const float* g = in_g;
         const float g_end = g[P - 1];
 #define END_DECAY(k) expf(g_end)
@@ -340,7 +370,6 @@ extern "C" __global__ void __launch_bounds__(NT, 2) leapquant_close(
             const int e = tid + t * NT;
             if (e < P * V) sm[SM_VALS + e] = rec_load(in_ru + e) * expf(g_end - g[e / V]);
         }
-#endif
         if (tid < K) {
 #if LQ_SMOOTH
             sm[SM_COL + tid] = in_smooth[tid] * END_DECAY(tid);
@@ -361,6 +390,7 @@ extern "C" __global__ void __launch_bounds__(NT, 2) leapquant_close(
         }
 #endif
 #undef END_DECAY
+#endif
         __syncthreads();
 #if LQ_PREFETCH
         // the staging area is read (codes and scales in registers, factors prepared): the next head's copies

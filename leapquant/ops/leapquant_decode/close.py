@@ -28,7 +28,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..common import bf16_grid, divide_by_reciprocal, e4m3_grid, page_bases, rint
+from ..common import bf16_grid, divide_by_reciprocal, e4m3_grid, page_bases, record_decays, rint
 from .fused_recurrent import _residual_rows
 
 __all__ = ["MODE_LOAD", "MODE_MATERIALIZE", "boundary_kernel", "close_kernel"]
@@ -187,13 +187,12 @@ def _window_factors(
     mask_p = o_p < count
     b_keys = tl.load(rec_k + (i_s * P + o_p[:, None]) * K + o_k[None, :], mask=mask_p[:, None], other=0)
     b_keys = b_keys.to(tl.float32)
-    if VECTOR_DECAY:
-        b_gend = tl.load(rec_g + (i_s * P + count - 1) * K + o_k, mask=(o_k * 0 + count) > 0, other=0.0)
-        b_gj = tl.load(rec_g + (i_s * P + o_p[:, None]) * K + o_k[None, :], mask=mask_p[:, None], other=0.0)
-        b_keys = tl.where(mask_p[:, None], b_keys * tl.exp(b_gend[None, :] - b_gj), 0.0)
+    if VECTOR_DECAY:  # each record's own decays (pool.py), summed
+        b_gend, b_since = record_decays(rec_g, i_s, count, K, P, BP)
+        b_keys = tl.where(mask_p[:, None], b_keys * tl.exp(b_since), 0.0)
         b_end = tl.exp(b_gend)
         b_w = tl.where(mask_p, 1.0, 0.0)
-    else:
+    else:  # running sums
         b_gend = tl.load(rec_g + i_s * P + count - 1, mask=count > 0, other=0.0)
         b_gj = tl.load(rec_g + i_s * P + o_p, mask=mask_p, other=0.0)
         b_end = tl.exp(b_gend) + tl.zeros([K], dtype=tl.float32)

@@ -87,8 +87,9 @@ def shared_bytes(cfg: PoolConfig, *, prefetch: bool = False) -> int:
     if prefetch:  # the inputs as stored: codes, channel scales, log decays, records, smoothing, fp16 tokens
         code_bits = 4 if cfg.format.code == 4 else 8
         decays = p * (k if cfg.decay == "vector" else 1)
+        decay_floats = (decays * cfg.decay_dtype.itemsize + 15) // 16 * 4  # rounded up to 16 bytes
         record_bytes = 2 if cfg.records == "fp16" else 4
-        floats += v * k * code_bits // 32 + v + (decays + 3) // 4 * 4 + (p * k + p * v) * record_bytes // 4
+        floats += v * k * code_bits // 32 + v + decay_floats + (p * k + p * v) * record_bytes // 4
         floats += (k if cfg.smoothing else 0) + r * (k + v) // 2
     return 4 * floats
 

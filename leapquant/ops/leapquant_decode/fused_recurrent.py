@@ -26,7 +26,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..common import native_token, page_bases, rint, tf32_split
+from ..common import native_token, page_bases, record_decays, rint, tf32_split
+from ..pool import LOG_DECAY_FLOOR
 
 __all__ = ["SUBSET_ALL", "SUBSET_CLOSING", "SUBSET_OTHERS", "step_kernel", "step_tc_kernel"]
 
@@ -35,6 +36,7 @@ __all__ = ["SUBSET_ALL", "SUBSET_CLOSING", "SUBSET_OTHERS", "step_kernel", "step
 SUBSET_ALL = tl.constexpr(0)
 SUBSET_OTHERS = tl.constexpr(1)
 SUBSET_CLOSING = tl.constexpr(2)
+_LOG_DECAY_FLOOR = tl.constexpr(LOG_DECAY_FLOOR)
 
 # ``RESIDUAL`` codes: leapquant.formats.residual.RESIDUAL_FORMATS (0 fp32, 1 bf16, 2 int8/int6, 3 fp8-e4m3,
 # 4 int4 packed two keys a byte)
@@ -220,16 +222,18 @@ def _piece_columns(x, y, ex, ey):
 @triton.jit
 def _token_reads(
     q, k, g, beta, b_read, A_log, dt_bias, smooth, rec_g, qk_scale, i_n, i_h, i_nh, i_hv, i_s, i_pos,
-    H: tl.constexpr, K: tl.constexpr, P: tl.constexpr, NATIVE: tl.constexpr, USE_QK_L2NORM: tl.constexpr,
-    BETA_SIGMOID: tl.constexpr, SMOOTH: tl.constexpr, READ_PRE: tl.constexpr, VECTOR_DECAY: tl.constexpr,
-    HAS_DT_BIAS: tl.constexpr, GATE_IN_KERNEL: tl.constexpr,
+    H: tl.constexpr, K: tl.constexpr, P: tl.constexpr, BP: tl.constexpr, NATIVE: tl.constexpr,
+    USE_QK_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, SMOOTH: tl.constexpr, READ_PRE: tl.constexpr,
+    VECTOR_DECAY: tl.constexpr, HAS_DT_BIAS: tl.constexpr, GATE_IN_KERNEL: tl.constexpr,
 ):  # fmt: skip
     """The token in general form and the vectors the head's state is read with, fp32 ``[K]``.
 
-    Returns ``(q, kw, b, gprev, gnow, yb, yq, rb, rq)``: query, write key (beta folded in), read vector,
-    the cumulative log decays before and after this token, the read vectors decayed to the window start
-    (``yb``, ``yq``: what the tokens and records are read with) and the same times the smoothing scales
-    (``rb``, ``rq``: what the residual is read with).
+    Returns ``(q, kw, b, g, gprev, gnow, since, yb, yq, rb, rq)``: query, write key (beta folded in), read
+    vector, the token's log decay (KDA: as its record stores it), the cumulative log decays before and
+    after this token, KDA's log decays ``G_{i-1} - G_j`` from each earlier record ``j`` to the previous token
+    (``[BP, K]``, zero from row ``i_pos - 1`` on; GDN reads its running sums as stored), the read vectors
+    decayed to the window start (``yb``, ``yq``: what the tokens and records are read with) and the same
+    times the smoothing scales (``rb``, ``rq``: what the residual is read with).
     """
     o_k = tl.arange(0, K)
     # -- the token: general-form read vector b, write key kw, query q and log decay g -----------------
@@ -250,11 +254,17 @@ def _token_reads(
             b_g = tl.load(g + i_nh).to(tl.float32)
 
     # -- cumulative decays G_{i-1} (read before the update) and G_i, and the two read vectors ----------
-    if VECTOR_DECAY:
-        b_gprev = tl.load(rec_g + (i_s * P + i_pos - 1) * K + o_k, mask=(o_k * 0 + i_pos) > 0, other=0.0)
-    else:
+    # the floor (pool.py) keeps fp16 finite and GDN's running sums small; a NaN gate stays NaN (the state
+    # shows it) rather than becoming the floor
+    b_g = tl.maximum(b_g, _LOG_DECAY_FLOOR, propagate_nan=tl.PropagateNan.ALL)
+    if VECTOR_DECAY:  # KDA records keep each token's own decays at their precision: sum them
+        b_gprev, b_since = record_decays(rec_g, i_s, i_pos, K, P, BP)
+        b_g = b_g.to(rec_g.dtype.element_ty)
+        b_gnow = b_gprev + b_g.to(tl.float32)
+    else:  # GDN records keep the running sums
         b_gprev = tl.load(rec_g + i_s * P + i_pos - 1, mask=i_pos > 0, other=0.0)
-    b_gnow = b_gprev + b_g
+        b_gnow = b_gprev + b_g
+        b_since = 0.0  # unused
     b_yb = tl.exp(b_gprev) * b_b
     if READ_PRE:
         b_yq = tl.exp(b_gprev) * b_q
@@ -268,7 +278,7 @@ def _token_reads(
         b_rb = b_yb
         b_rq = b_yq
 
-    return b_q, b_kw, b_b, b_gprev, b_gnow, b_yb, b_yq, b_rb, b_rq
+    return b_q, b_kw, b_b, b_g, b_gprev, b_gnow, b_since, b_yb, b_yq, b_rb, b_rq
 
 
 @triton.heuristics(
@@ -361,9 +371,9 @@ def step_kernel(
             return
     i_pos = tl.load(pos + i_s)
 
-    b_q, b_kw, b_b, b_gprev, b_gnow, b_yb, b_yq, b_rb, b_rq = _token_reads(
+    b_q, b_kw, b_b, b_g, b_gprev, b_gnow, b_since, b_yb, b_yq, b_rb, b_rq = _token_reads(
         q, k, g, beta, b_read, A_log, dt_bias, smooth, rec_g, qk_scale, i_n, i_h, i_nh, i_hv, i_s, i_pos,
-        H, K, P, NATIVE, USE_QK_L2NORM, BETA_SIGMOID, SMOOTH, READ_PRE, VECTOR_DECAY, HAS_DT_BIAS,
+        H, K, P, BP, NATIVE, USE_QK_L2NORM, BETA_SIGMOID, SMOOTH, READ_PRE, VECTOR_DECAY, HAS_DT_BIAS,
         GATE_IN_KERNEL,
     )  # fmt: skip
 
@@ -379,12 +389,11 @@ def step_kernel(
     b_rk = tl.load(rec_k + (i_s * P + o_p[:, None]) * K + o_k[None, :], mask=mask_p[:, None], other=0)
     b_rk = b_rk.to(tl.float32)
     if VECTOR_DECAY:
-        b_gj = tl.load(rec_g + (i_s * P + o_p[:, None]) * K + o_k[None, :], mask=mask_p[:, None], other=0.0)
-        b_wb = tl.sum(b_rk * tl.exp(b_gprev[None, :] - b_gj) * b_b[None, :], 1)
+        b_wb = tl.sum(b_rk * tl.exp(b_since) * b_b[None, :], 1)
         if READ_PRE:
-            b_wq = tl.sum(b_rk * tl.exp(b_gprev[None, :] - b_gj) * b_q[None, :], 1)
+            b_wq = tl.sum(b_rk * tl.exp(b_since) * b_q[None, :], 1)
         else:
-            b_wq = tl.sum(b_rk * tl.exp(b_gnow[None, :] - b_gj) * b_q[None, :], 1)
+            b_wq = tl.sum(b_rk * tl.exp(b_since + b_g.to(tl.float32)[None, :]) * b_q[None, :], 1)
     else:
         b_gj = tl.load(rec_g + i_s * P + o_p, mask=mask_p, other=0.0)
         b_wb = tl.exp(b_gprev - b_gj) * tl.sum(b_rk * b_b[None, :], 1)
@@ -443,7 +452,7 @@ def step_kernel(
         tl.store(p_ru, b_u)
     tl.store(rec_k + (i_s * P + i_pos) * K + o_k, b_kw)
     if VECTOR_DECAY:
-        tl.store(rec_g + (i_s * P + i_pos) * K + o_k, b_gnow)
+        tl.store(rec_g + (i_s * P + i_pos) * K + o_k, b_g)
     else:
         tl.store(rec_g + i_s * P + i_pos, b_gnow)
     if ADVANCE:  # one program per head: nobody else reads this position during the step
@@ -510,9 +519,9 @@ def step_tc_kernel(
         if (tl.load(closing + i_s) != 0) != (SUBSET == SUBSET_CLOSING):
             return
     i_pos = tl.load(pos + i_s)
-    b_q, b_kw, b_b, b_gprev, b_gnow, b_yb, b_yq, b_rb, b_rq = _token_reads(
+    b_q, b_kw, b_b, b_g, b_gprev, b_gnow, b_since, b_yb, b_yq, b_rb, b_rq = _token_reads(
         q, k, g, beta, b_read, A_log, dt_bias, smooth, rec_g, qk_scale, i_n, i_h, i_nh, i_hv, i_s, i_pos,
-        H, K, P, NATIVE, USE_QK_L2NORM, BETA_SIGMOID, SMOOTH, READ_PRE, VECTOR_DECAY, HAS_DT_BIAS,
+        H, K, P, BP, NATIVE, USE_QK_L2NORM, BETA_SIGMOID, SMOOTH, READ_PRE, VECTOR_DECAY, HAS_DT_BIAS,
         GATE_IN_KERNEL,
     )  # fmt: skip
 
@@ -529,9 +538,8 @@ def step_tc_kernel(
         if READ_PRE:
             b_vecs = _tf32_columns(b_b, b_q)
         else:
-            b_vecs = _tf32_columns(b_b, tl.exp(b_gnow - b_gprev) * b_q)
-        b_gj = tl.load(rec_g + (i_s * P + o_p[:, None]) * K + o_k[None, :], mask=mask_p[:, None], other=0.0)
-        b_ahi, b_alo = tf32_split(b_rk * tl.exp(b_gprev[None, :] - b_gj))
+            b_vecs = _tf32_columns(b_b, tl.exp(b_g.to(tl.float32)) * b_q)
+        b_ahi, b_alo = tf32_split(b_rk * tl.exp(b_since))
         b_dots = tl.dot(b_ahi, b_vecs, input_precision="tf32")
         b_dots = tl.dot(b_alo, b_vecs, acc=b_dots, input_precision="tf32")
         b_wb, b_wq = _column_pairs(b_dots)
@@ -604,7 +612,7 @@ def step_tc_kernel(
         tl.store(p_ru, b_u)
     tl.store(rec_k + (i_s * P + i_pos) * K + o_k, b_kw)
     if VECTOR_DECAY:
-        tl.store(rec_g + (i_s * P + i_pos) * K + o_k, b_gnow)
+        tl.store(rec_g + (i_s * P + i_pos) * K + o_k, b_g)
     else:
         tl.store(rec_g + i_s * P + i_pos, b_gnow)
     if ADVANCE:

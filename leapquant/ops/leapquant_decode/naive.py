@@ -1,7 +1,7 @@
 """Readable torch reference of the LeapQuant decode ops on a :class:`~leapquant.ops.pool.LeapQuantPool`.
 
-It stores exactly what the Triton kernels store (same layout, cumulative log decays, fp16 tokens and
-records, codes from :mod:`leapquant.formats`), one slot at a time, so a kernel can be checked against it
+It stores exactly what the Triton kernels store (same layout, log decays as the pool keeps them, fp16 tokens
+and records, codes from :mod:`leapquant.formats`), one slot at a time, so a kernel can be checked against it
 code for code; it is in turn checked against :class:`~leapquant.methods.WindowedState`.  ``compute`` sets
 the arithmetic precision (float32 mirrors the kernels, float64 mirrors the simulator).
 
@@ -18,7 +18,7 @@ from ...formats import get_format
 from ...methods.compensators import orthonormalize, start_vectors
 from ...methods.scale_fit import least_squares_scales
 from ...methods.smoothing import smoothing_scales
-from ..pool import LeapQuantPool
+from ..pool import LOG_DECAY_FLOOR, LeapQuantPool
 
 __all__ = ["activate_gate", "close_ref", "load_ref", "materialize_ref", "native_to_general", "step_ref"]
 
@@ -88,9 +88,10 @@ def _boundary(pool: LeapQuantPool, slot: int, compute: torch.dtype) -> torch.Ten
 
 
 def _cumulative(pool: LeapQuantPool, slot: int, count: int, compute: torch.dtype) -> torch.Tensor:
-    """``G_1..G_count`` as ``[HV, count, K']`` (K' = 1 for a scalar decay)."""
+    """``G_1..G_count`` as ``[HV, count, K']`` (K' = 1 for a scalar decay): GDN's as stored, KDA's the
+    records' own decays summed."""
     g = pool.rec_g[slot, :, :count].to(compute)
-    return g[..., None] if pool.config.decay == "scalar" else g
+    return g[..., None] if pool.config.decay == "scalar" else g.cumsum(1)
 
 
 def _read(pool, slot, count, g_ref, x, boundary, compute):
@@ -133,6 +134,9 @@ def step_ref(
         gi = g[n].to(compute)
         gi = gi[:, None] if cfg.decay == "scalar" else gi
         g_prev = _cumulative(pool, slot, pos, compute)[:, -1] if pos else torch.zeros_like(gi)
+        gi = gi.clamp_min(LOG_DECAY_FLOOR)
+        if cfg.decay == "vector":  # the record keeps the token's own log decay at its precision
+            gi = _round(gi, cfg.decay_dtype)
         g_now = g_prev + gi
         x_b, x_q = b[n].to(compute), q[n].to(compute)
         u = v[n].to(compute) - _read(pool, slot, pos, g_prev, x_b, boundary, compute)
@@ -144,7 +148,7 @@ def step_ref(
             out[n] = _read(pool, slot, pos, g_now, x_q, boundary, compute) + u * (key * x_q).sum(
                 -1, keepdim=True
             )
-        pool.rec_g[slot, :, pos] = g_now[:, 0] if cfg.decay == "scalar" else g_now
+        pool.rec_g[slot, :, pos] = g_now[:, 0] if cfg.decay == "scalar" else gi.to(cfg.decay_dtype)
         pool.rec_k[slot, :, pos] = key.to(rec_dtype)
         pool.rec_u[slot, :, pos] = u.to(rec_dtype)
     return out
