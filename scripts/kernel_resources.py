@@ -108,6 +108,8 @@ SHIFTS = {f"shift_{n}": "i64" for n in ("payload", "scale", "smooth", "comp_k", 
 
 
 def main() -> None:
+    # rec_g: GDN's fp32 running sums, KDA's fp16 per-token decays (pool.PoolConfig.decay_dtype)
+    decay_ptr = {"scalar": "*fp32", "vector": "*fp16", False: "*fp32", True: "*fp16"}
     common = dict(rec_g="*fp32", rec_k="*fp16", rec_u="*fp16", pos="*i32", scale_v="*fp32", smooth="*fp32",
                   comp_k="*fp16", comp_u="*fp16", payload=PAYLOAD[2])  # fmt: skip
     step_ptrs = dict(common, q="*bf16", k="*bf16", v="*bf16", g="*fp32", beta="*bf16", b_read="*i32",
@@ -119,7 +121,7 @@ def main() -> None:
                       ADVANCE=True, SUBSET=0, STAGES=2, FAST_CVT=True, VECTOR_DECAY=decay == "vector",
                       HAS_DT_BIAS=False, GATE_IN_KERNEL=False, A_log=None, dt_bias=None,
                       PAGED=False)  # fmt: skip
-        ptrs = dict(step_ptrs, payload=PAYLOAD[3])
+        ptrs = dict(step_ptrs, payload=PAYLOAD[3], rec_g=decay_ptr[decay])
         print(f"step kernel (CUDA cores), {decay} decay, fp8, BV={bv}, {warps} warps:",
               resources(lq.step_kernel, ptrs, {"qk_scale": "fp32", **SHIFTS}, consts, warps))  # fmt: skip
     # (decay, codes, tokens, rows per chunk, warps, stages, register cap): the shipped launches
@@ -136,7 +138,7 @@ def main() -> None:
                       SUBSET=1,
                       VECTOR_DECAY=decay == "vector", HAS_DT_BIAS=False, GATE_IN_KERNEL=False, A_log=None,
                       dt_bias=None, PAGED=False)  # fmt: skip
-        ptrs = dict(step_ptrs, payload=PAYLOAD[code])
+        ptrs = dict(step_ptrs, payload=PAYLOAD[code], rec_g=decay_ptr[decay])
         print(f"step kernel (tensor cores), {decay} decay, {'int4' if code == 4 else 'int8'}, r={rank}, "
               f"BV={bv}, {warps} warps, {stages} stages, maxnreg {maxnreg}:",
               resources(lq.step_tc_kernel, ptrs, {"qk_scale": "fp32", **SHIFTS}, consts, warps,
@@ -153,7 +155,8 @@ def main() -> None:
         consts = dict(HV=32, K=128, V=128, P=16, R=rank, BV=bv, BR=br, BP=16, ITERS=1, RESIDUAL=2,
                       SMOOTH=True, VECTOR_DECAY=decay, REC16=True, TOKEN_SCRATCH=scratch,
                       PAGED=False, LS=False)  # fmt: skip
-        usage = resources(cc.close_kernel, close_ptrs, scalars, consts, warps, maxnreg)
+        ptrs = dict(close_ptrs, rec_g=decay_ptr[decay])
+        usage = resources(cc.close_kernel, ptrs, scalars, consts, warps, maxnreg)
         kind = "vector" if decay else "scalar"
         print(f"chunked close, r={rank}, {kind} decay, BV={bv}, {warps} warps, maxnreg {maxnreg}, "
               f"token scratch {scratch}: {usage}")  # fmt: skip
