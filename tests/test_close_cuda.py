@@ -232,6 +232,40 @@ def test_cuda_close_of_a_pool_off_16_bytes_matches(family):
     assert _kernel(cfg, device, True)[1] > _kernel(cfg, device, False)[1]  # staged, and not: two kernels
 
 
+@pytest.mark.skipif(not GPU, reason="the CUDA close runs on a GPU")
+@pytest.mark.parametrize(
+    ("family", "residual", "rank", "page_pad"),
+    [
+        pytest.param("gdn", "int8", 4, 4096, id="gdn-int8-r4-4k-pages"),
+        pytest.param("kda", "int8", 4, 4096, id="kda-int8-r4-4k-pages"),
+        pytest.param("gdn", "int4+ls", 8, 4096, id="gdn-int4-ls-r8-4k-pages"),
+        # pages padded to 4 bytes: the heads are off 16 bytes, so this close runs unstaged
+        pytest.param("kda", "int8", 4, 4, id="kda-int8-r4-unaligned-pages"),
+    ],
+)
+def test_cuda_close_of_a_paged_pool_matches(family, residual, rank, page_pad):
+    """A pool laid out in an engine's state pages (vLLM's: conv state first, then the pool's tensors, then
+    padding; ``adapter.paged_pool``) closes with the CUDA close as it does with the Triton close, every
+    head moved by its slot's page shift; bytes outside the closing heads' tensors, the conv state and the
+    padding included, stay as they were."""
+    _check_against_triton(family, residual, 16, rank, True, 1, page_pad=page_pad)
+
+
+def _paged_copy(pool: LeapQuantPool, page_pad: int, gen: torch.Generator):
+    """``(pages, paged)``: ``pool``'s contents in vLLM-style pages (a 96-byte conv state first, pages rounded
+    up to ``page_pad`` bytes), every other byte of the pages random."""
+    from leapquant.integrations.vllm.adapter import paged_pool
+
+    lead = 96
+    page = -(-(lead + pool.config.bytes_per_slot()) // page_pad) * page_pad
+    pages, paged = paged_pool(pool.config, pool.slots, lead_bytes=lead, page_bytes=page, device="cuda")
+    pages.copy_(torch.randint(-128, 128, pages.shape, dtype=torch.int8, generator=gen, device="cuda"))
+    for name, t in paged.tensors.items():
+        t.copy_(pool.tensors[name])
+    assert paged.paged
+    return pages, paged
+
+
 def _off_16_bytes(t: torch.Tensor) -> torch.Tensor:
     """A copy of ``t`` whose storage starts 4 bytes past a 16-byte boundary."""
     size = t.element_size()
@@ -242,7 +276,7 @@ def _off_16_bytes(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _check_against_triton(family, residual, window, rank, smooth, iters, misalign=False):
+def _check_against_triton(family, residual, window, rank, smooth, iters, misalign=False, page_pad=None):
     gen = torch.Generator(device="cuda").manual_seed(window + 10 * rank)
     hv, n, spare = 32, 40, 3  # 1280 closing heads: more than the 264 blocks, so blocks are reused
     records = "fp32" if residual.endswith("+rec32") else None
@@ -264,6 +298,11 @@ def _check_against_triton(family, residual, window, rank, smooth, iters, misalig
     }
     if misalign:
         pools["cuda"] = LeapQuantPool(cfg, {k: _off_16_bytes(t) for k, t in pools["cuda"].tensors.items()})
+    pages = {}
+    if page_pad is not None:  # both pools paged alike, so that the step kernels are the same
+        for impl in pools:
+            pages[impl], pools[impl] = _paged_copy(pools[impl], page_pad, gen)
+        pages_before = pages["cuda"].clone()
     x = _tokens(family, n, hv, gen)
     outs = {
         impl: leapquant_decode(p, slots, *x, launch=LaunchConfig(close_impl=impl))
@@ -274,6 +313,13 @@ def _check_against_triton(family, residual, window, rank, smooth, iters, misalig
         assert float((outs["cuda"] - outs["triton"]).norm() / outs["triton"].norm()) < 1e-6
     else:
         assert torch.equal(outs["triton"], outs["cuda"])  # the same step kernel
+    if page_pad is not None:
+        # every byte of a page outside the pool's tensors (conv state, padding) as it was
+        touched = torch.zeros(pages["cuda"].shape, dtype=torch.bool, device="cuda")
+        for t in b.values():  # a tensor sits at the same offset of every page
+            start = t.data_ptr() - pages["cuda"].data_ptr()
+            touched[:, start : start + t[0].numel() * t.element_size()] = True
+        assert torch.equal(pages["cuda"][~touched], pages_before[~touched])
     assert not a["pos"][:n].any() and torch.equal(a["pos"], b["pos"])
     for name in a:
         assert torch.equal(b[name][n:].view(torch.uint8), base.tensors[name][n:].view(torch.uint8)), name

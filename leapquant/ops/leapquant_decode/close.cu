@@ -173,9 +173,10 @@ __device__ __forceinline__ void decode_codes(const unsigned* w, float* c) {
         }
 }
 
-__device__ __forceinline__ void store_codes(unsigned char* payload, long long i_s, int v, int cb, const float* x) {
+// ``head``: the closing head's payload (head_at).
+__device__ __forceinline__ void store_codes(unsigned char* head, int v, int cb, const float* x) {
 #if LQ_RESIDUAL == 4
-    unsigned char* row = payload + (i_s * V + v) * (K / 2);
+    unsigned char* row = head + v * (K / 2);
     #pragma unroll
     for (int h = 0; h < 2; ++h) {
         unsigned w = 0;
@@ -184,7 +185,7 @@ __device__ __forceinline__ void store_codes(unsigned char* payload, long long i_
         *(unsigned short*)(row + h * 32 + cb * 2) = (unsigned short)w;
     }
 #else
-    unsigned char* row = payload + (i_s * V + v) * K;
+    unsigned char* row = head + v * K;
     #pragma unroll
     for (int h = 0; h < 2; ++h) {
         unsigned w = 0;
@@ -250,11 +251,20 @@ __device__ __forceinline__ void copy_async(float* dst, const void* src, int tid)
 }
 #endif
 
+// Head i_s of a pool tensor with n elements a head: heads are contiguous within a slot, and slots are
+// hv * n + shift elements apart (LeapQuantPool.slot_shift: 0 for a contiguous pool; an engine's page padding,
+// the other state tensors of the page included, for a paged one).
+template <typename T>
+__device__ __forceinline__ T* head_at(T* base, long long i_s, int n, int hv, int shift) {
+    return base + i_s * n + (i_s / hv) * (long long)shift;
+}
+
 extern "C" __global__ void __launch_bounds__(NT, 2) leapquant_close(
     const int* __restrict__ close_list, const int* __restrict__ close_count, unsigned char* payload,
     float* scale_v, float* smooth, half_bits* comp_k, half_bits* comp_u, const dec_t* __restrict__ rec_g,
     const rec_t* __restrict__ rec_k, const rec_t* __restrict__ rec_u, int* pos, double smooth_floor_d,
-    double qmax_d) {
+    double qmax_d, int hv, int sh_payload, int sh_scale, int sh_smooth, int sh_comp_k, int sh_comp_u, int sh_rec_g,
+    int sh_rec_k, int sh_rec_u, int sh_pos) {
     extern __shared__ __align__(16) float sm[];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int rb = tid >> 4, cb = tid & 15;
@@ -267,17 +277,17 @@ extern "C" __global__ void __launch_bounds__(NT, 2) leapquant_close(
     auto stage = [&](int head) {
         const long long h = head;
         static_assert(sizeof(dec_t) == DEC_BYTES, "the staging layout's decay size");
-        copy_async<V * ROW_BYTES>(sm + SM_ST_CODES, payload + h * V * ROW_BYTES, tid);
-        copy_async<V * 4>(sm + SM_ST_SCALE, scale_v + h * V, tid);
-        copy_async<G_N * DEC_BYTES>(sm + SM_ST_G, rec_g + h * G_N, tid);
-        copy_async<P * K * (int)sizeof(rec_t)>(sm + SM_ST_RK, rec_k + h * P * K, tid);
-        copy_async<P * V * (int)sizeof(rec_t)>(sm + SM_ST_RU, rec_u + h * P * V, tid);
+        copy_async<V * ROW_BYTES>(sm + SM_ST_CODES, head_at(payload, h, V * ROW_BYTES, hv, sh_payload), tid);
+        copy_async<V * 4>(sm + SM_ST_SCALE, head_at(scale_v, h, V, hv, sh_scale), tid);
+        copy_async<G_N * DEC_BYTES>(sm + SM_ST_G, head_at(rec_g, h, G_N, hv, sh_rec_g), tid);
+        copy_async<P * K * (int)sizeof(rec_t)>(sm + SM_ST_RK, head_at(rec_k, h, P * K, hv, sh_rec_k), tid);
+        copy_async<P * V * (int)sizeof(rec_t)>(sm + SM_ST_RU, head_at(rec_u, h, P * V, hv, sh_rec_u), tid);
 #if LQ_SMOOTH
-        copy_async<K * 4>(sm + SM_ST_SMOOTH, smooth + h * K, tid);
+        copy_async<K * 4>(sm + SM_ST_SMOOTH, head_at(smooth, h, K, hv, sh_smooth), tid);
 #endif
 #if R > 0
-        copy_async<R * K * 2>(sm + SM_ST_CK, comp_k + h * R * K, tid);
-        copy_async<R * V * 2>(sm + SM_ST_CU, comp_u + h * R * V, tid);
+        copy_async<R * K * 2>(sm + SM_ST_CK, head_at(comp_k, h, R * K, hv, sh_comp_k), tid);
+        copy_async<R * V * 2>(sm + SM_ST_CU, head_at(comp_u, h, R * V, hv, sh_comp_u), tid);
 #endif
         asm volatile("cp.async.commit_group;" ::: "memory");
     };
@@ -303,16 +313,18 @@ extern "C" __global__ void __launch_bounds__(NT, 2) leapquant_close(
         const half_bits* in_cu = (const half_bits*)(sm + SM_ST_CU);
 #else
         const long long i_s = close_list[idx];
-        const unsigned char* in_codes = payload + i_s * V * ROW_BYTES;
-        const float* in_scale = scale_v + i_s * V;
-        const dec_t* in_g = rec_g + i_s * G_N;
-        const rec_t* in_rk = rec_k + i_s * P * K;
-        const rec_t* in_ru = rec_u + i_s * P * V;
-        const float* in_smooth = smooth + i_s * K;
-        const half_bits* in_ck = comp_k + i_s * R * K;
-        const half_bits* in_cu = comp_u + i_s * R * V;
+        const unsigned char* in_codes = head_at(payload, i_s, V * ROW_BYTES, hv, sh_payload);
+        const float* in_scale = head_at(scale_v, i_s, V, hv, sh_scale);
+        const dec_t* in_g = head_at(rec_g, i_s, G_N, hv, sh_rec_g);
+        const rec_t* in_rk = head_at(rec_k, i_s, P * K, hv, sh_rec_k);
+        const rec_t* in_ru = head_at(rec_u, i_s, P * V, hv, sh_rec_u);
+        const float* in_smooth = head_at(smooth, i_s, K, hv, sh_smooth);
+        const half_bits* in_ck = head_at(comp_k, i_s, R * K, hv, sh_comp_k);
+        const half_bits* in_cu = head_at(comp_u, i_s, R * V, hv, sh_comp_u);
 #endif
         (void)in_smooth, (void)in_ck, (void)in_cu;
+        unsigned char* out_codes = head_at(payload, i_s, V * ROW_BYTES, hv, sh_payload);  // written at the end
+        float* out_scale = head_at(scale_v, i_s, V, hv, sh_scale);
 
         // the codes and channel scales first: (without staging) their loads are in flight while the factors
         // are prepared
@@ -618,8 +630,8 @@ extern "C" __global__ void __launch_bounds__(NT, 2) leapquant_close(
             float x[8];
             #pragma unroll
             for (int j = 0; j < 8; ++j) x[j] = fminf(fmaxf(s[i][j], -qmax), qmax);
-            store_codes(payload, i_s, rb * 8 + i, cb, x);
-            if (cb == 0) scale_v[i_s * V + rb * 8 + i] = 1.0f;
+            store_codes(out_codes, rb * 8 + i, cb, x);
+            if (cb == 0) out_scale[rb * 8 + i] = 1.0f;
         }
 #else
         float amax[8];
@@ -668,7 +680,7 @@ extern "C" __global__ void __launch_bounds__(NT, 2) leapquant_close(
                 den = fmaf(x[j], x[j], den);
 #endif
             }
-            store_codes(payload, i_s, rb * 8 + i, cb, x);
+            store_codes(out_codes, rb * 8 + i, cb, x);
 #if LQ_LS && LQ_RESIDUAL != 3
             // the refit as a ratio of quotients (|q| <= qmax: no overflow), as close.py and scale_fit.py
             #pragma unroll
@@ -681,20 +693,20 @@ extern "C" __global__ void __launch_bounds__(NT, 2) leapquant_close(
 #else
             const float stored = scale;
 #endif
-            if (cb == 0) scale_v[i_s * V + rb * 8 + i] = stored;
+            if (cb == 0) out_scale[rb * 8 + i] = stored;
         }
 #endif
 #undef SMOOTHED
 
         // ---- the head's new tokens, smoothing scales and position ----
 #if R > 0
-        for (int e = tid; e < R * K; e += NT) comp_k[i_s * R * K + e] = f2h(sm[SM_Q + e]);
-        for (int e = tid; e < R * V; e += NT) comp_u[i_s * R * V + e] = f2h(sm[SM_BASIS + e]);
+        for (int e = tid; e < R * K; e += NT) head_at(comp_k, i_s, R * K, hv, sh_comp_k)[e] = f2h(sm[SM_Q + e]);
+        for (int e = tid; e < R * V; e += NT) head_at(comp_u, i_s, R * V, hv, sh_comp_u)[e] = f2h(sm[SM_BASIS + e]);
 #endif
 #if LQ_SMOOTH
-        for (int e = tid; e < K; e += NT) smooth[i_s * K + e] = sm[SM_C + e];
+        for (int e = tid; e < K; e += NT) head_at(smooth, i_s, K, hv, sh_smooth)[e] = sm[SM_C + e];
 #endif
-        if (tid == 0) pos[i_s] = 0;
+        if (tid == 0) *head_at(pos, i_s, 1, hv, sh_pos) = 0;
 #if LQ_PREFETCH
         // read here, where few registers are live, a head before its copies are issued
         i_after = idx + 2 * gridDim.x < count ? close_list[idx + 2 * gridDim.x] : -1;

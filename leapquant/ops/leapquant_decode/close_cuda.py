@@ -19,7 +19,7 @@ import torch
 
 from ...errors import LeapQuantError
 from ...formats.residual import CUDA_CLOSE_RESIDUALS
-from ..pool import LeapQuantPool, PoolConfig
+from ..pool import SHIFT_ORDER, LeapQuantPool, PoolConfig
 
 __all__ = [
     "MAX_SHARED", "SOURCE", "THREADS", "build_offline", "compile_options", "launch_cuda_close", "prefetches",
@@ -180,12 +180,20 @@ def launch_cuda_close(pool: LeapQuantPool, blocks: int) -> None:
     t = pool.tensors
     dummy = t["pos"]
     list_, count = pool.close_list()
+    shifts = pool.slot_shift()  # SHIFT_ORDER; all 0 unless the pool is a view over an engine's pages
+    if any(not -(2**31) <= s < 2**31 for s in shifts):
+        raise LeapQuantError(f"the CUDA close takes slot shifts that fit 32 bits, got {shifts}")
     args = [
         list_, count, t["payload"], t["scale"], t.get("smooth", dummy), t.get("comp_k", dummy),
         t.get("comp_u", dummy), t["rec_g"], t["rec_k"], t["rec_u"], t["pos"], float(SMOOTHING_FLOOR),
-        float(cfg.format.qmax),
+        float(cfg.format.qmax), cfg.heads, *shifts,
     ]  # fmt: skip
-    aligned = all(t.data_ptr() % 16 == 0 for t in pool.tensors.values())
+    # the staging copies move 16-byte pieces: every head of every slot must start on 16 bytes
+    aligned = all(t.data_ptr() % 16 == 0 for t in pool.tensors.values()) and all(
+        shift * pool.tensors[name].element_size() % 16 == 0
+        for name, shift in zip(SHIFT_ORDER, shifts, strict=True)
+        if name in pool.tensors
+    )
     with torch.cuda.device(pool.device):  # the pool's device and its current stream, not the caller's device
         kernel, shared = _kernel(cfg, torch.cuda.current_device(), aligned)
         kernel(grid=(blocks, 1, 1), block=(THREADS, 1, 1), args=args, shared_mem=shared)

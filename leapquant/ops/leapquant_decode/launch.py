@@ -271,8 +271,6 @@ def resolve_close(pool: LeapQuantPool, launch: LaunchConfig) -> str:
         return "triton"
     if pool.device.type != "cuda":
         reason = "the pool is not on a GPU"
-    elif pool.paged:
-        reason = "the pool is paged (an engine's cache): the CUDA close indexes contiguous slots"
     else:
         reason = unsupported(pool.config) or unavailable()
     if launch.close_impl == "cuda" and reason is not None:
