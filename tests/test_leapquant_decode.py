@@ -624,3 +624,66 @@ def test_close_scratch_outlives_a_larger_request():
     assert pool.close_scratch(128).numel() == 128
     gc.collect()
     assert first() is not None
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="a deferred close runs on a second CUDA stream")
+@pytest.mark.parametrize("family", ["gdn", "kda"])
+def test_a_deferred_close_matches_the_close_in_turn(family):
+    """``LaunchConfig.defer_close``: the close runs on the pool's side stream while the caller's stream goes
+    on with other work (here a large product that keeps the GPU busy), and the next step waits for it.
+    Outputs and every pool tensor come out bit for bit as with the close run in turn, over several windows,
+    eagerly and replayed from a CUDA graph that joins the pool before its capture ends."""
+    from leapquant.ops.leapquant_decode import LaunchConfig
+
+    gen = torch.Generator(device=DEVICE).manual_seed(23)
+    hv, n, window = 4, 6, 4
+    cfg = pool_config(heads=hv, d_k=K, d_v=V, window=window, compensators=2, smoothing=True,
+                      decay="vector" if family == "kda" else "scalar")  # fmt: skip
+    base = LaunchConfig.tuned(cfg.decay, cfg.compensators, cfg.residual)
+    launches = {"turn": base, "defer": replace(base, defer_close=True)}
+    pools = {name: LeapQuantPool.allocate(cfg, n + 1, DEVICE) for name in launches}
+    slots = torch.tensor([4, 0, -1, 2, 5, 1], dtype=torch.int32, device=DEVICE)
+    states = torch.randn(n, hv, K, V, generator=gen, device=DEVICE) * 0.3
+    for pool in pools.values():
+        load_states(pool, slots, states)
+    busy = torch.randn(2048, 2048, generator=gen, device=DEVICE)
+
+    def step(x, name, **kw):
+        return leapquant_decode(pools[name], slots, *x, launch=launches[name], **kw)
+
+    for t in range(2 * window + 1):  # two closes of every head, then a step into the third window
+        x = tokens(family, n, 2, hv, gen)
+        outs = {name: step(x, name) for name in launches}
+        assert pools["defer"].close_deferred, t  # every advancing step launches the close (it reads the list)
+        busy = busy @ busy.T / 2048  # the caller's next work, beside the deferred close
+        assert torch.equal(outs["turn"], outs["defer"]), t
+    pools["defer"].join_close()
+    assert not pools["defer"].close_deferred
+    for name, t in pools["turn"].tensors.items():
+        assert torch.equal(t, pools["defer"].tensors[name]), name
+
+    # a graph of a whole window: the capture joins the pool before it ends
+    xs = [tokens(family, n, 2, hv, gen) for _ in range(window)]
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream(DEVICE)
+    side.wait_stream(torch.cuda.current_stream(DEVICE))
+    with torch.cuda.stream(side):
+        graph.capture_begin()
+        graph_outs = [step(x, "defer", validate=False) for x in xs]
+        pools["defer"].join_close()
+        graph.capture_end()
+    torch.cuda.current_stream(DEVICE).wait_stream(side)
+    graph.replay()
+    for x, got in zip(xs, graph_outs):
+        assert torch.equal(step(x, "turn"), got)
+    torch.cuda.synchronize()
+    for name, t in pools["turn"].tensors.items():
+        assert torch.equal(t, pools["defer"].tensors[name]), name
+
+
+def test_defer_close_and_overlap_close_are_refused_together():
+    from leapquant.ops.leapquant_decode import LaunchConfig
+
+    with pytest.raises(LeapQuantError, match="exclude each other"):
+        LaunchConfig(defer_close=True, overlap_close=True)
+    LaunchConfig(defer_close=True, overlap_close=False)

@@ -37,6 +37,7 @@ class StateBackend:
     states: list = field(default_factory=list)
     slots: torch.Tensor | None = None
     kernel_backend: str = "auto"
+    launch: object = None  # LaunchConfig of a LeapQuant pool (None: the tuned default)
 
     def __call__(self, layer: int, q, k, v, g, beta) -> torch.Tensor:
         st = self.states[layer]
@@ -56,7 +57,16 @@ class StateBackend:
             return per_step_decode(st, self.slots, q, k, v, g, beta, backend=self.kernel_backend)
         from ..ops.leapquant_decode import leapquant_decode
 
-        return leapquant_decode(st, self.slots, q, k, v, g, beta, validate=False, backend=self.kernel_backend)
+        return leapquant_decode(
+            st, self.slots, q, k, v, g, beta, validate=False, backend=self.kernel_backend, launch=self.launch
+        )
+
+    def join(self) -> None:
+        """Make the current stream wait for every window close deferred to a side stream (``:defer-close``);
+        the model calls it at the end of its step, so that a CUDA graph of steps joins what it forks."""
+        if self.impl == "leapquant":
+            for pool in self.states:
+                pool.join_close()
 
     def load(self, states: list[torch.Tensor]) -> None:
         """Set every layer's state from full-precision ``[B, HV, K, V]`` tensors (window position 0)."""
@@ -149,4 +159,12 @@ def make_backend(
         pool = LeapQuantPool.allocate(cfg, batch, device)
         _randomize(pool, gen)
         states.append(pool)
-    return StateBackend(variant.label, "leapquant", spec.family, states, slots, kernel_backend)
+    launch = None
+    if variant.defer_close or variant.close != "auto":
+        from dataclasses import replace
+
+        from ..ops.leapquant_decode import LaunchConfig
+
+        launch = replace(LaunchConfig.tuned(cfg.decay, cfg.compensators, cfg.residual),
+                         defer_close=variant.defer_close, close_impl=variant.close)  # fmt: skip
+    return StateBackend(variant.label, "leapquant", spec.family, states, slots, kernel_backend, launch)
