@@ -13,7 +13,6 @@ from leapquant.bench.decode_run import decode_markdown
 from leapquant.bench.state_backends import make_backend
 from leapquant.bench.variants import parse_variant
 from leapquant.cli.main import main
-from leapquant.errors import LeapQuantError
 
 BACKENDS = ("fp32:fla", "bf16", "int8", "leapquant-int8")
 MODELS = ("qwen3.5-9b", "kimi-linear-48b-a3b")
@@ -300,26 +299,3 @@ def test_trace_spans_keep_the_gpu_lanes_in_microseconds():
         {"name": "b", "stream": 7, "start": 5.5, "end": 7.5},
         {"name": "Memset", "stream": -1, "start": 9.0, "end": 10.0},
     ]
-
-
-def test_defer_close_reaches_the_pools_and_the_step_joins_them(monkeypatch):
-    """``:defer-close`` sets ``LaunchConfig.defer_close`` on the backend's pools (the GPU test of the deferred
-    close itself is in test_leapquant_decode.py), and every model step ends by joining the backend, so a CUDA
-    graph of steps never ends with a close still forked.  Per-step methods and ``bench kernel`` refuse it."""
-    from leapquant.bench.kernel import KernelCase, bench_variant
-
-    spec, weights = _tiny("qwen3.5-9b", long_memory=False)
-    model = DecodeModel(spec, weights, B, CTX, "cpu")
-    model.backend = make_backend(parse_variant("leapquant-int8:defer-close"), spec, B, "cpu",
-                                 kernel_backend="reference")  # fmt: skip
-    assert model.backend.launch.defer_close and model.backend.launch.close_impl == "auto"
-    joins = []
-    monkeypatch.setattr(model.backend, "join", lambda: joins.append(1))
-    model.step()
-    model.step()
-    assert joins == [1, 1]
-    assert make_backend(parse_variant("leapquant-int8"), spec, B, "cpu").launch is None
-    with pytest.raises(LeapQuantError, match="windowed methods"):
-        parse_variant("int8:defer-close")
-    with pytest.raises(LeapQuantError, match="use bench decode"):
-        bench_variant(parse_variant("leapquant-int8:defer-close"), KernelCase("gdn", 4), device="cpu")

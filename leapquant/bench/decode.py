@@ -494,12 +494,6 @@ class DecodeModel:
         """One decode token for every sequence: logits ``[B, vocab]`` (bf16)."""
         if self.backend is None and "state" not in self.skip:
             raise LeapQuantError("bench decode: no state backend set (or skip 'state')")
-        out = self._layers_and_head()
-        if self.backend is not None:  # window closes deferred to side streams (:defer-close) end here
-            self.backend.join()
-        return out
-
-    def _layers_and_head(self) -> torch.Tensor:
         s, w = self.spec, self.w
         x = w["embed"][self.tokens]
         for i, (kind, mlp) in enumerate(zip(s.layer_types, s.mlp_types)):

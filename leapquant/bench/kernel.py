@@ -163,11 +163,6 @@ def bench_variant(
     from .timing import kernel_breakdown, time_steps
 
     gen = torch.Generator(device=device).manual_seed(seed)
-    if variant.defer_close:
-        raise LeapQuantError(
-            f"variant {variant.label}: :defer-close overlaps the close with a model's other layers; "
-            "bench kernel times one layer (use bench decode)"
-        )
     state_bytes = state_bytes_per_step(variant, case)
     rotations = max(2, min(8, math.ceil(4 * L2_BYTES / state_bytes)))
     inputs = _inputs(case, rotations, device, gen)

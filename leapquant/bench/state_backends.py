@@ -37,7 +37,6 @@ class StateBackend:
     states: list = field(default_factory=list)
     slots: torch.Tensor | None = None
     kernel_backend: str = "auto"
-    launch: object = None  # LaunchConfig of a LeapQuant pool (None: the tuned default)
 
     def __call__(self, layer: int, q, k, v, g, beta) -> torch.Tensor:
         st = self.states[layer]
@@ -57,16 +56,7 @@ class StateBackend:
             return per_step_decode(st, self.slots, q, k, v, g, beta, backend=self.kernel_backend)
         from ..ops.leapquant_decode import leapquant_decode
 
-        return leapquant_decode(
-            st, self.slots, q, k, v, g, beta, validate=False, backend=self.kernel_backend, launch=self.launch
-        )
-
-    def join(self) -> None:
-        """Make the current stream wait for every window close deferred to a side stream (``:defer-close``);
-        the model calls it at the end of its step, so that a CUDA graph of steps joins what it forks."""
-        if self.impl == "leapquant":
-            for pool in self.states:
-                pool.join_close()
+        return leapquant_decode(st, self.slots, q, k, v, g, beta, validate=False, backend=self.kernel_backend)
 
     def load(self, states: list[torch.Tensor]) -> None:
         """Set every layer's state from full-precision ``[B, HV, K, V]`` tensors (window position 0)."""
@@ -159,12 +149,4 @@ def make_backend(
         pool = LeapQuantPool.allocate(cfg, batch, device)
         _randomize(pool, gen)
         states.append(pool)
-    launch = None
-    if variant.defer_close or variant.close != "auto":
-        from dataclasses import replace
-
-        from ..ops.leapquant_decode import LaunchConfig
-
-        launch = replace(LaunchConfig.tuned(cfg.decay, cfg.compensators, cfg.residual),
-                         defer_close=variant.defer_close, close_impl=variant.close)  # fmt: skip
-    return StateBackend(variant.label, "leapquant", spec.family, states, slots, kernel_backend, launch)
+    return StateBackend(variant.label, "leapquant", spec.family, states, slots, kernel_backend)

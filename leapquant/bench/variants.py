@@ -6,9 +6,7 @@ A variant is written ``METHOD[:OPTION]...``, where ``METHOD`` is any method name
 * ``:fla``: FLA's ``fused_recurrent_*`` kernels on an fp32 state (method ``fp32`` only: the baseline);
 * ``:step``: the step kernel alone, positions frozen (a breakdown of a windowed method's time);
 * ``:triton-close`` / ``:cuda-close``: which window close runs (default: CUDA where it applies);
-* ``:paged``: the pool laid out in vLLM's state pages instead of contiguous slots;
-* ``:defer-close``: the window close runs on a side stream and is waited for at the end of the model's step,
-  so that it overlaps the layers after it (``LaunchConfig.defer_close``; ``bench decode`` only).
+* ``:paged``: the pool laid out in vLLM's state pages instead of contiguous slots.
 
 Per-step methods (window 1: ``fp32``, ``bf16``, ``int8``) run our per-step kernels; windowed methods run
 a LeapQuant pool.  Below the command line every benchmark takes a :class:`Variant`.
@@ -32,7 +30,6 @@ OPTIONS = {
     "triton-close": ("close", "triton"),
     "cuda-close": ("close", "cuda"),
     "paged": ("paged", True),
-    "defer-close": ("defer_close", True),
 }
 
 
@@ -47,8 +44,6 @@ class Variant:
         close: ``"auto"``, ``"triton"`` or ``"cuda"``: the window close of a windowed method.
         step_only: time the step kernel alone (windowed methods).
         paged: lay the pool out in vLLM's state pages (windowed methods).
-        defer_close: run the window close on a side stream, joined at the end of the model's step
-            (windowed methods, ``bench decode``).
         label: the name rows and tables show (default: the canonical spelling).
     """
 
@@ -57,7 +52,6 @@ class Variant:
     close: str = "auto"
     step_only: bool = False
     paged: bool = False
-    defer_close: bool = False
     label: str = ""
 
     def __post_init__(self) -> None:
@@ -68,16 +62,13 @@ class Variant:
         m = self.method
         if self.kernel == "fla" and m.name != "fp32":
             raise LeapQuantError(f"variant {self.name}: FLA's kernels keep an fp32 state (use fp32:fla)")
-        windowed_only = self.step_only or self.paged or self.defer_close or self.close != "auto"
+        windowed_only = self.step_only or self.paged or self.close != "auto"
         if m.window == 1:
             from ..ops.per_step_decode import per_step_unsupported
 
             reason = None if self.kernel == "fla" else per_step_unsupported(m)
             if windowed_only:
-                reason = (
-                    ":step, :paged, :defer-close and the close options apply to windowed methods "
-                    "(METHOD/wP)"
-                )
+                reason = ":step, :paged and the close options apply to windowed methods (METHOD/wP)"
         else:
             from ..ops.pool import pool_unsupported
 

@@ -263,23 +263,6 @@ class LeapQuantPool:
             self.__dict__["_side_stream"] = torch.cuda.Stream(self.device, priority=-1)
         return self.__dict__["_side_stream"]
 
-    def join_close(self) -> None:
-        """Make the current CUDA stream wait for a window close deferred to :meth:`side_stream`
-        (``LaunchConfig.defer_close``); nothing when none is pending.  The decode ops call it before they
-        touch the pool; other code that reads or writes the pool's tensors after a deferred close calls it
-        first, and a CUDA graph capture joins every such pool before it ends."""
-        if self.__dict__.pop("_close_deferred", False):
-            torch.cuda.current_stream(self.device).wait_stream(self.side_stream())
-
-    def mark_close_deferred(self) -> None:
-        """Record that a window close was launched on :meth:`side_stream` and not yet waited for."""
-        self.__dict__["_close_deferred"] = True
-
-    @property
-    def close_deferred(self) -> bool:
-        """Whether a deferred window close is pending (:meth:`join_close` clears it)."""
-        return self.__dict__.get("_close_deferred", False)
-
     @property
     def device(self) -> torch.device:
         return self.tensors["pos"].device
@@ -318,7 +301,6 @@ class LeapQuantPool:
         from ..methods.smoothing import SMOOTHING_FLOOR
 
         idx = self.check_slots(slots, allow_padding=False).long()
-        self.join_close()
         for name, t in self.tensors.items():
             value = {"scale": 1.0, "smooth": SMOOTHING_FLOOR}.get(name, 0)
             t[idx] = value

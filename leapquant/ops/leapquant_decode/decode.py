@@ -61,7 +61,6 @@ def leapquant_decode(
     ``launch`` sets the launch shapes (:class:`LaunchConfig`).
     """
     cfg = pool.config
-    pool.join_close()  # a window close deferred by the last step (LaunchConfig.defer_close)
     n = slots.shape[0]
     if validate:
         pool.check_slots(slots)
@@ -111,7 +110,6 @@ def leapquant_step_records(
     """One step of general-form records (paper eq. 1): log decay ``g``, write key ``kw``, read vector ``b``,
     query ``q`` (``[N, HV, K]``; ``g`` ``[N, HV]`` for a scalar-decay pool), value ``v [N, HV, V]``."""
     cfg = pool.config
-    pool.join_close()  # a window close deferred by the last step (LaunchConfig.defer_close)
     n = slots.shape[0]
     pool.check_slots(slots)
     _check_decay(pool, g, n)
@@ -163,7 +161,6 @@ def load_states(
     ``[N, HV, V, K]`` (``"vk"``); float32/bf16/fp16, finite.
     """
     cfg = pool.config
-    pool.join_close()  # a window close deferred by the last step (LaunchConfig.defer_close)
     n = slots.shape[0]
     pool.check_slots(slots)
     if layout not in ("kv", "vk"):
@@ -185,7 +182,6 @@ def materialize_states(
 ) -> torch.Tensor:
     """Dense fp32 states of ``slots`` at their current position (``[N, HV, K, V]`` for ``layout="kv"``)."""
     cfg = pool.config
-    pool.join_close()  # a window close deferred by the last step (LaunchConfig.defer_close)
     pool.check_slots(slots)
     if layout not in ("kv", "vk"):
         raise LeapQuantError(f"layout must be 'kv' or 'vk', got {layout!r}")

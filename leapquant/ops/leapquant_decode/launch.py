@@ -54,11 +54,6 @@ class LaunchConfig:
             do not close (:func:`launch_step`); False: step, then close; ``None``: overlap with the Triton
             close only (the CUDA close fills every register file it runs on, so the step waits for SMs
             either way, and the split costs a second step launch: slower in BENCHMARKS.md's runs).
-        defer_close: the window close runs on the pool's side stream and the call returns without waiting
-            for it, so it overlaps whatever the caller runs next (a model's other layers); the next decode op
-            on the pool, or ``LeapQuantPool.join_close``, makes the current stream wait for it.  Code that
-            touches the pool's tensors in between must join first, and a CUDA graph capture must join every
-            deferred pool before it ends.  Only on a GPU (the interpreter runs the close in turn).
         close_maxnreg: register cap per thread of the close (``None``: the compiler's choice); a lower cap
             lets more close programs share a multiprocessor, at the price of a few spills.
         close_token_scratch: with smoothing, the close's smoothing pass keeps the token values it computes
@@ -86,7 +81,6 @@ class LaunchConfig:
     close_warps: int = 4
     close_programs_per_sm: int = 4
     overlap_close: bool | None = None
-    defer_close: bool = False
     close_maxnreg: int | None = 128
     close_token_scratch: bool = True
     close_impl: str = "auto"
@@ -126,11 +120,6 @@ class LaunchConfig:
         if self.close_impl not in CLOSE_IMPLS:
             raise LeapQuantError(
                 f"launch: unknown close_impl {self.close_impl!r}: use {', '.join(CLOSE_IMPLS)}"
-            )
-        if self.defer_close and self.overlap_close:
-            raise LeapQuantError(
-                "launch: defer_close and overlap_close exclude each other (both move the close to the side "
-                "stream; defer_close does not wait for it)"
             )
         if self.close_cuda_blocks_per_sm < 1:
             raise LeapQuantError(
@@ -182,11 +171,9 @@ def launch_step(
     t = pool.tensors
     dummy = t["pos"]
     list_, count = pool.close_list()
-    on_gpu = pool.device.type == "cuda"
-    defer = close is not None and advance and launch.defer_close and on_gpu
     overlap = launch.overlap_close
     if overlap is None:
-        overlap = close != "cuda" and not launch.defer_close
+        overlap = close != "cuda"
     split = close is not None and advance and overlap
     closing = (t["pos"] == cfg.window - 1).to(torch.int8) if split else dummy
     args = (
@@ -219,18 +206,11 @@ def launch_step(
                 FAST_CVT=launch.fast_cvt, SUBSET=subset, num_warps=launch.step_warps, **shape,
             )  # fmt: skip
 
-    if defer:  # the close waits for this step on the side stream; the caller's stream goes on
-        step(SUBSET_ALL)
-        side = pool.side_stream()
-        side.wait_stream(torch.cuda.current_stream(pool.device))
-        with torch.cuda.stream(side):
-            launch_close(pool, n, launch, close)
-        pool.mark_close_deferred()
-    elif not split:
+    if not split:
         step(SUBSET_ALL)
         if close is not None:
             launch_close(pool, n, launch, close)
-    elif not on_gpu:  # the interpreter: same launches, one after the other
+    elif pool.device.type != "cuda":  # the interpreter: same launches, one after the other
         step(SUBSET_CLOSING)
         launch_close(pool, n, launch, close)
         step(SUBSET_OTHERS)
