@@ -148,8 +148,8 @@ def build_offline(cfg: PoolConfig, *, prefetch: bool, arch: str = "sm_90") -> by
 @functools.cache
 def _kernel(cfg: PoolConfig, device: int, aligned: bool = True):
     """The close built for ``cfg`` on ``device``, and its dynamic shared memory in bytes.  ``aligned``: every
-    pool tensor starts on 16 bytes, as the staging copies need (a pool carved out of another buffer might
-    not: it closes without them)."""
+    head of every slot starts on 16 bytes (the tensors and their slot shifts), as the staging copies need (a
+    pool carved out of another buffer, or pages padded to less, might not: it closes without them)."""
     reason = unavailable()
     if reason is not None:
         raise LeapQuantError(
