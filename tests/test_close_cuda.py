@@ -65,6 +65,30 @@ def test_auto_keeps_the_triton_close_where_torch_cannot_build_the_cuda_one(monke
         resolve_close(pool, LaunchConfig(close_impl="cuda"))
 
 
+def test_slot_shifts_past_32_bits_take_the_triton_close_before_the_step(monkeypatch):
+    """The CUDA close takes slot shifts as 32-bit integers: a pool whose slots lie further apart is told
+    apart before the step (auto keeps the Triton close; a forced CUDA close is an error naming the shifts),
+    not after the step has changed it."""
+    from leapquant.ops.leapquant_decode.close_cuda import unsupported_layout
+    from leapquant.ops.leapquant_decode.launch import resolve_close
+
+    cfg = config(heads=2)
+    dense = LeapQuantPool.allocate(cfg, 1, "cpu")
+    assert unsupported_layout(dense) is None
+    far = {  # one slot, with the next one 2**31 elements further on (a stride the view never follows)
+        name: t.as_strided(t.shape, (2**31 + t[0].numel(), *t.stride()[1:]))
+        for name, t in dense.tensors.items()
+    }
+    pool = LeapQuantPool(cfg, far)
+    assert "do not fit 32-bit integers" in unsupported_layout(pool)
+    monkeypatch.setattr(type(pool), "device", property(lambda self: torch.device("cuda", 0)))  # as on a GPU
+    monkeypatch.setattr(torch.cuda, "_compile_kernel", lambda *a, **k: None, raising=False)
+    assert resolve_close(dense, LaunchConfig()) == "cuda"
+    assert resolve_close(pool, LaunchConfig()) == "triton"
+    with pytest.raises(LeapQuantError, match=r"close_impl='cuda' does not apply: slot shifts .* 32-bit"):
+        resolve_close(pool, LaunchConfig(close_impl="cuda"))
+
+
 def test_launch_rejects_an_unknown_close():
     with pytest.raises(LeapQuantError, match="unknown close_impl 'cuda-graph'"):
         LaunchConfig(close_impl="cuda-graph")

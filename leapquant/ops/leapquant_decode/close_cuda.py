@@ -23,7 +23,7 @@ from ..pool import SHIFT_ORDER, LeapQuantPool, PoolConfig
 
 __all__ = [
     "MAX_SHARED", "SOURCE", "THREADS", "build_offline", "compile_options", "launch_cuda_close", "prefetches",
-    "shared_bytes", "unavailable", "unsupported",
+    "shared_bytes", "unavailable", "unsupported", "unsupported_layout",
 ]  # fmt: skip
 
 THREADS = 256  # one block per closing head: 16 x 16 threads of 8 x 8 state entries each
@@ -44,6 +44,17 @@ def unsupported(cfg: PoolConfig) -> str | None:
         return f"{cfg.compensators} compensator tokens (the CUDA close takes 0 to 4, or 8)"
     if shared_bytes(cfg) > MAX_SHARED:
         return f"window {cfg.window}: {shared_bytes(cfg)} B of shared memory per block, over {MAX_SHARED}"
+    return None
+
+
+def unsupported_layout(pool: LeapQuantPool) -> str | None:
+    """Why the CUDA close does not apply to ``pool``'s memory layout (``None``: it does): it takes the slot
+    shifts (``LeapQuantPool.slot_shift``) as 32-bit integers.  Checked before the step, like
+    :func:`unsupported`, so that such a pool closes with the Triton close instead of failing after its
+    step has changed it."""
+    shifts = pool.slot_shift()
+    if any(not -(2**31) <= s < 2**31 for s in shifts):
+        return f"slot shifts {shifts} do not fit 32-bit integers"
     return None
 
 
@@ -174,15 +185,14 @@ def launch_cuda_close(pool: LeapQuantPool, blocks: int) -> None:
     from ...methods.smoothing import SMOOTHING_FLOOR
 
     cfg = pool.config
-    reason = unsupported(cfg)  # callers decide once a step (launch.resolve_close); this guards direct calls
+    # callers decide once a step (launch.resolve_close); this guards direct calls
+    reason = unsupported(cfg) or unsupported_layout(pool)
     if reason is not None:
         raise LeapQuantError(f"the CUDA close does not apply: {reason}")
     t = pool.tensors
     dummy = t["pos"]
     list_, count = pool.close_list()
     shifts = pool.slot_shift()  # SHIFT_ORDER; all 0 unless the pool is a view over an engine's pages
-    if any(not -(2**31) <= s < 2**31 for s in shifts):
-        raise LeapQuantError(f"the CUDA close takes slot shifts that fit 32 bits, got {shifts}")
     args = [
         list_, count, t["payload"], t["scale"], t.get("smooth", dummy), t.get("comp_k", dummy),
         t.get("comp_u", dummy), t["rec_g"], t["rec_k"], t["rec_u"], t["pos"], float(SMOOTHING_FLOOR),

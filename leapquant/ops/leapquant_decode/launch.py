@@ -265,14 +265,14 @@ def close_shape(pool: LeapQuantPool, launch: LaunchConfig) -> dict:
 def resolve_close(pool: LeapQuantPool, launch: LaunchConfig) -> str:
     """The window close ``pool`` runs, ``"cuda"`` or ``"triton"`` (``launch.close_impl``), decided once per
     step, before any launch: a ``"cuda"`` that cannot run fails here, before the step changes the pool."""
-    from .close_cuda import unavailable, unsupported
+    from .close_cuda import unavailable, unsupported, unsupported_layout
 
     if launch.close_impl == "triton":
         return "triton"
     if pool.device.type != "cuda":
         reason = "the pool is not on a GPU"
     else:
-        reason = unsupported(pool.config) or unavailable()
+        reason = unsupported(pool.config) or unsupported_layout(pool) or unavailable()
     if launch.close_impl == "cuda" and reason is not None:
         raise LeapQuantError(f"launch: close_impl='cuda' does not apply: {reason}")
     return "triton" if reason is not None else "cuda"
