@@ -333,7 +333,8 @@ def _check_against_triton(family, residual, window, rank, smooth, iters, misalig
         for impl, p in pools.items()
     }
     a, b = pools["triton"].tensors, pools["cuda"].tensors
-    if misalign:  # Triton specializes the step on 16-byte alignment: the KDA decays' product may round apart
+    if misalign and family == "kda":  # Triton specializes the step on 16-byte alignment: the product of
+        # KDA's fp16 decays (common.record_decays) may round apart; GDN's running sums have no product
         assert float((outs["cuda"] - outs["triton"]).norm() / outs["triton"].norm()) < 1e-6
     else:
         assert torch.equal(outs["triton"], outs["cuda"])  # the same step kernel
