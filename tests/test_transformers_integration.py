@@ -135,6 +135,34 @@ def test_cache_reordering_moves_quantized_rows(arch):
     torch.testing.assert_close(moved, fresh, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_patch_takes_over_a_cache_filled_before_it(arch):
+    """A cache prefilled by the unpatched model: the patch quantizes its dense state instead of restarting
+    from zeros (multi-token continuation and single decode steps alike)."""
+    from transformers import DynamicCache
+
+    model = tiny_model(arch, d=32, decay_scale=0.05)
+    ids = torch.randint(3, 64, (2, 16), generator=torch.Generator().manual_seed(11))
+
+    def continued(patch_method):
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(ids[:, :8], past_key_values=cache, use_cache=True)
+            if patch_method is not None:
+                leapquant.patch(model, patch_method, backend="reference64")
+            logits = [model(ids[:, 8:12], past_key_values=cache, use_cache=True).logits]
+            logits += [
+                model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits for t in (12, 13)
+            ]
+        leapquant.unpatch(model)
+        return torch.cat(logits, 1)
+
+    ref = continued(None)
+    torch.testing.assert_close(continued("fp32"), ref, rtol=0, atol=1e-5)
+    rel = ((continued("leapquant-int8") - ref).norm() / ref.norm()).item()
+    assert 0 < rel < 1e-2
+
+
 def test_triton_backend_matches_reference():
     model = tiny_model("qwen3_5", d=16)
     ids = torch.randint(3, 64, (2, 14), generator=torch.Generator().manual_seed(7))

@@ -358,7 +358,18 @@ class _PatchedLayer:
             )
         store = cache.__dict__.setdefault(_STATES_ATTR, {})
         groups = store.get(self.layer_idx)
-        if initial_state is None or groups is None:
+        recurrent = sys.modules[type(self.module).__module__].__dict__[self.kind.recurrent_fn].__wrapped__
+        if groups is None and initial_state is not None:
+            # a cache filled before this patch (or by the unpatched model) holds the dense state: it is the
+            # prefill's hand-off, quantized here rather than dropped
+            if initial_state.ndim != 4 or initial_state.shape[2:] == (1, 1):
+                raise LeapQuantError(
+                    "this cache's linear-attention state was written by a patch whose states it lost"
+                )
+            groups = _RowGroups(self.patched, self.layer_idx, self.kind, recurrent, initial_state.float())
+            groups.handle_seen = initial_state  # its rows are in batch order: nothing to select
+            store[self.layer_idx] = groups
+        if initial_state is None:
             if not chunked:
                 raise LeapQuantError("a decode step reached a patched layer without a prefilled state")
             out, final = original(
@@ -372,7 +383,6 @@ class _PatchedLayer:
                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                 **kwargs,
             )
-            recurrent = sys.modules[type(self.module).__module__].__dict__[self.kind.recurrent_fn].__wrapped__
             groups = _RowGroups(self.patched, self.layer_idx, self.kind, recurrent, final.float())
             store[self.layer_idx] = groups
             return out, _row_handle(query.shape[0], query.device)
