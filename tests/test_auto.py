@@ -214,6 +214,33 @@ def test_calibrate_model_plans_every_linear_layer_and_patch_takes_it(tmp_path):
         calibrate_model(model, tokenizer, "leapquant-autp")
 
 
+def test_calibrating_a_patched_model_keeps_its_patch():
+    """The calibration trace runs under FP32 through the caller's patch and leaves it as it was: same
+    object, same methods, the same logits after as before, and the same trace as an unpatched model's."""
+    from tiny_models import tiny_model
+
+    from leapquant.eval.model_eval import record_trace
+    from leapquant.integrations import patch
+
+    def tokenizer(text, add_special_tokens=False):
+        return {"input_ids": [3 + b % 60 for b in text.encode()]}
+
+    model = tiny_model("qwen3_5", d=16)
+    ids = torch.randint(3, 64, (1, 12), generator=torch.Generator().manual_seed(3))
+    plain_trace = record_trace(model, tokenizer, 48)
+    patched = patch(model, "int4/w4+ct2", backend="reference")
+    with torch.no_grad():
+        before = model(ids, use_cache=True).logits
+    patched_trace = record_trace(model, tokenizer, 48)
+    assert model._leapquant_patch is patched and patched.layers
+    assert [m.default.name for m in patched.methods] == ["int4/w4+ct2"]
+    with torch.no_grad():
+        assert torch.equal(model(ids, use_cache=True).logits, before)
+    for name in ("a", "k", "b", "v", "q"):
+        assert torch.equal(getattr(plain_trace[0], name), getattr(patched_trace[0], name)), name
+    patched.unpatch()
+
+
 @pytest.mark.parametrize(
     ("extra", "match"),
     [(["--out", "plan.txt"], "expected a .json file"), (["--out", "p.json", "--budget", "0"], "budget")],

@@ -411,6 +411,7 @@ def record_trace(
     import torch
 
     from ..integrations import linear_attention_layers, patch, unpatch
+    from ..methods import as_layer_methods
     from ..recurrences import Records
     from ..recurrences.delta import gated_deltanet_records, kda_records
 
@@ -429,13 +430,21 @@ def record_trace(
         if layer_idx in chosen:
             captured[layer_idx] = (*(x.detach().double().cpu() for x in (q, k, v, g, beta)), l2norm)
 
-    patched = patch(model, "fp32")
+    # the trace runs under FP32 through the caller's own patch where there is one (its methods are put
+    # back after), so that recording never leaves a patched model unpatched
+    previous = getattr(model, "_leapquant_patch", None)
+    patched = patch(model, "fp32") if previous is None else previous
+    saved_methods = patched.methods
+    patched.methods = (as_layer_methods("fp32"),)
     patched.set_recorder(recorder)
     try:
         with torch.inference_mode():
             CachedStream(model)(ids[None])
     finally:
-        unpatch(model)
+        patched.set_recorder(None)
+        patched.methods = saved_methods
+        if previous is None:
+            unpatch(model)
     parts = []
     family = None
     for idx in chosen:
