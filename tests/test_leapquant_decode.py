@@ -419,6 +419,56 @@ def test_bad_token_shapes_are_rejected():
         load_states(pool, slots, torch.full((1, 2, K, V), float("nan"), device=DEVICE))
 
 
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize(
+    ("family", "field", "make", "message"),
+    [
+        ("gdn", "dt_bias", lambda hv: torch.zeros(1), "dt_bias has shape"),
+        ("gdn", "A_log", lambda hv: torch.zeros(hv + 1), "A_log has shape"),
+        ("kda", "dt_bias", lambda hv: torch.zeros(hv), "dt_bias has shape"),
+        ("kda", "dt_bias", lambda hv: torch.zeros(K, hv).t(), "contiguous"),
+        ("gdn", "no-A_log", lambda hv: torch.zeros(hv), "without A_log"),
+    ],
+    ids=[
+        "gdn-short-dt_bias",
+        "gdn-long-A_log",
+        "kda-per-head-dt_bias",
+        "kda-strided-dt_bias",
+        "dt_bias-alone",
+    ],
+)
+def test_bad_gate_parameters_are_rejected(family, field, make, message, backend):
+    """The kernels read A_log and dt_bias by offset: a wrong shape would read past their ends."""
+    hv = 2
+    decay = "vector" if family == "kda" else "scalar"
+    pool = LeapQuantPool.allocate(pool_config(heads=hv, d_k=K, d_v=V, window=4, decay=decay), 3, DEVICE)
+    slots = torch.tensor([0, 2], dtype=torch.int32, device=DEVICE)
+    x = tokens(family, 2, 1, hv, torch.Generator(device=DEVICE))
+    gates = {"A_log": torch.zeros(hv, device=DEVICE), "dt_bias": None}
+    if field == "no-A_log":
+        gates = {"A_log": None, "dt_bias": make(hv).to(DEVICE)}
+    else:
+        gates[field] = make(hv).to(DEVICE)
+    before = {name: t.clone() for name, t in pool.tensors.items()}
+    with pytest.raises(LeapQuantError, match=message):
+        leapquant_decode(pool, slots, *x, **gates, beta_sigmoid=True, backend=backend)
+    assert all(torch.equal(t, pool.tensors[name]) for name, t in before.items())
+
+
+def test_head_sizes_the_kernels_cannot_tile_are_rejected():
+    from leapquant.ops.per_step_decode import PerStepPool, per_step_decode
+
+    pool = LeapQuantPool.allocate(pool_config(heads=2, d_k=24, d_v=24, window=4), 2, DEVICE)
+    slots = torch.arange(2, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(LeapQuantError, match="d_k=24 is not a power of two"):
+        load_states(pool, slots, torch.randn(2, 2, 24, 24, device=DEVICE), backend="triton")
+    load_states(pool, slots, torch.randn(2, 2, 24, 24, device=DEVICE), backend="reference")
+    per_step = PerStepPool.allocate("int8", 2, 2, 32, 24, DEVICE)
+    q, k, v, g, beta = tokens("gdn", 2, 2, 2, torch.Generator(device=DEVICE), d_k=32)
+    with pytest.raises(LeapQuantError, match="d_v=24 is not a power of two"):
+        per_step_decode(per_step, slots, q, k, v[..., :24], g, beta, backend="triton")
+
+
 def test_pool_sizes_match_the_paper():
     cfg = PoolConfig(parse_method("leapquant-int8"), heads=32)
     assert cfg.boundary_bytes_per_head() == 16384 + 512 + 512 + 2048  # 1.19 B/element

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from leapquant import LeapQuantError
 from leapquant.methods.config import parse_method
 from leapquant.methods.window import WindowedState
 from leapquant.ops.leapquant_decode.naive import native_to_general
@@ -44,3 +45,37 @@ def test_per_step_kernel_matches_the_window_one_method(fmt, family):
     diff = pools["triton"].materialize(slots[real]) - pools["reference"].materialize(slots[real])
     scale = pools["reference"].materialize(slots[real]).abs().max()
     assert float(diff.abs().max()) <= (1e-5 if fmt == "fp32" else 0.02) * float(scale)
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("slot-out-of-range", "must be in"),
+        ("slot-twice", "appears twice"),
+        ("v-too-short", "v has shape"),
+        ("g-per-key-of-other-size", "g has shape"),
+    ],
+)
+def test_bad_input_is_rejected_before_the_pool_changes(case, message, backend):
+    """The per-step kernel writes every slot it is given in place: bad slots or shapes fail first."""
+    gen = torch.Generator(device=DEVICE).manual_seed(5)
+    pool = PerStepPool.allocate("int8", 3, 2, K, V, DEVICE)
+    pool.load(torch.arange(3, device=DEVICE), torch.randn(3, 2, K, V, generator=gen, device=DEVICE))
+    before = pool.state.clone(), pool.scale.clone()
+    slots = torch.tensor([2, 0], dtype=torch.int32, device=DEVICE)
+    q, k = (torch.randn(2, 1, K, generator=gen, device=DEVICE) for _ in range(2))
+    v = torch.randn(2, 2, V, generator=gen, device=DEVICE)
+    g = -0.05 * torch.rand(2, 2, generator=gen, device=DEVICE)
+    beta = torch.rand(2, 2, generator=gen, device=DEVICE)
+    if case == "slot-out-of-range":
+        slots = torch.tensor([3, 0], dtype=torch.int32, device=DEVICE)
+    elif case == "slot-twice":
+        slots = torch.tensor([0, 0], dtype=torch.int32, device=DEVICE)
+    elif case == "v-too-short":
+        v = v[..., :-1]
+    else:
+        g = torch.zeros(2, 2, K + 1, device=DEVICE)
+    with pytest.raises(LeapQuantError, match=message):
+        per_step_decode(pool, slots, q, k, v, g, beta, backend=backend)
+    assert torch.equal(pool.state, before[0]) and torch.equal(pool.scale, before[1])

@@ -53,7 +53,9 @@ class StateBackend:
         if self.impl.startswith("per-step"):
             from ..ops.per_step_decode import per_step_decode
 
-            return per_step_decode(st, self.slots, q, k, v, g, beta, backend=self.kernel_backend)
+            return per_step_decode(
+                st, self.slots, q, k, v, g, beta, validate=False, backend=self.kernel_backend
+            )
         from ..ops.leapquant_decode import leapquant_decode
 
         return leapquant_decode(st, self.slots, q, k, v, g, beta, validate=False, backend=self.kernel_backend)

@@ -272,7 +272,7 @@ class KernelState:
 
         f32 = [x.float().contiguous() for x in (q, k, v, g, beta)]
         if isinstance(self.pool, PerStepPool):
-            return per_step_decode(self.pool, self.slots, *f32, use_qk_l2norm=use_qk_l2norm)
+            return per_step_decode(self.pool, self.slots, *f32, use_qk_l2norm=use_qk_l2norm, validate=False)
         return leapquant_decode(self.pool, self.slots, *f32, use_qk_l2norm=use_qk_l2norm, validate=False)
 
     def step(self, q, k, v, g, beta, use_qk_l2norm: bool = True) -> torch.Tensor:

@@ -46,6 +46,7 @@ import torch
 from ..errors import LeapQuantError
 from ..formats.residual import RESIDUAL_FORMATS, ResidualFormat
 from ..methods.config import MethodConfig
+from .checks import check_slots
 
 __all__ = ["LOG_DECAY_FLOOR", "LeapQuantPool", "PoolConfig", "pool_unsupported"]
 
@@ -307,16 +308,5 @@ class LeapQuantPool:
 
     def check_slots(self, slots: torch.Tensor, *, allow_padding: bool = True) -> torch.Tensor:
         """Validate slot indices (int32/int64, 1-D, in range, no duplicates; -1 is padding if allowed)."""
-        if slots.ndim != 1 or slots.dtype not in (torch.int32, torch.int64):
-            raise LeapQuantError(
-                f"slots must be a 1-D int32/int64 tensor, got {slots.dtype} {tuple(slots.shape)}"
-            )
-        if slots.device != self.device:
-            raise LeapQuantError(f"slots are on {slots.device}, the pool on {self.device}")
-        lo = -1 if allow_padding else 0
-        if slots.numel() and (int(slots.min()) < lo or int(slots.max()) >= self.slots):
-            raise LeapQuantError(f"slots must be in [{lo}, {self.slots}), got {slots.tolist()[:16]}")
-        real = slots[slots >= 0]
-        if real.numel() != real.unique().numel():
-            raise LeapQuantError("slots: a slot appears twice in one batch")
+        check_slots(slots, self.slots, self.device, allow_padding=allow_padding)
         return slots

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ...errors import LeapQuantError
-from ..checks import check_token, use_triton
+from ..checks import check_step_inputs, check_token, use_triton
 from ..pool import LeapQuantPool
 from . import naive
 from .launch import LaunchConfig, launch_boundary, launch_step, resolve_close
@@ -64,17 +64,8 @@ def leapquant_decode(
     n = slots.shape[0]
     if validate:
         pool.check_slots(slots)
-        if q.ndim != 3 or q.shape[0] != n or q.shape[2] != cfg.d_k or cfg.heads % q.shape[1]:
-            raise LeapQuantError(
-                f"q has shape {tuple(q.shape)}, expected [N={n}, H, K={cfg.d_k}], H dividing HV={cfg.heads}"
-            )
-        check_token(pool.device, "q", q, q.shape)
-        check_token(pool.device, "k", k, tuple(q.shape))
-        check_token(pool.device, "v", v, (n, cfg.heads, cfg.d_v))
-        _check_decay(pool, g, n)
-        check_token(pool.device, "beta", beta, (n, cfg.heads))
-        if A_log is not None and A_log.shape != (cfg.heads,):
-            raise LeapQuantError(f"A_log has shape {tuple(A_log.shape)}, expected ({cfg.heads},)")
+        check_step_inputs(pool.device, n, cfg.heads, cfg.d_k, cfg.d_v, cfg.decay == "vector",
+                          q, k, v, g, beta, A_log, dt_bias)  # fmt: skip
     qk_scale = cfg.d_k**-0.5 if scale is None else float(scale)
     if use_triton(pool.device, backend):
         launch = launch or LaunchConfig.tuned(cfg.decay, cfg.compensators, cfg.residual)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ...errors import LeapQuantError
-from ..checks import pow2
+from ..checks import check_kernel_head_dims, pow2
 from ..pool import LeapQuantPool
 
 __all__ = ["CLOSE_IMPLS", "LaunchConfig", "launch_boundary", "launch_close", "launch_step", "resolve_close",
@@ -166,6 +166,7 @@ def launch_step(
     )  # fmt: skip
 
     cfg = pool.config
+    check_kernel_head_dims(cfg.d_k, cfg.d_v)
     n = slots.shape[0]
     out = torch.empty(n, cfg.heads, cfg.d_v, dtype=v.dtype, device=pool.device)
     t = pool.tensors
@@ -303,6 +304,7 @@ def launch_boundary(pool: LeapQuantPool, slots: torch.Tensor, dense: torch.Tenso
     from .close import boundary_kernel
 
     cfg = pool.config
+    check_kernel_head_dims(cfg.d_k, cfg.d_v)
     tensors, shape = close_args(pool)
     launch = LaunchConfig()
     boundary_kernel[(slots.shape[0] * cfg.heads,)](

@@ -15,7 +15,7 @@ import torch
 from ...errors import LeapQuantError
 from ...formats.residual import PER_STEP_RESIDUALS, RESIDUAL_FORMATS
 from ...methods.config import MethodConfig
-from ..checks import cdiv, use_triton
+from ..checks import cdiv, check_kernel_head_dims, check_slots, check_step_inputs, use_triton
 from . import naive
 
 __all__ = ["PerStepPool", "per_step_decode", "per_step_records", "per_step_unsupported"]
@@ -81,11 +81,18 @@ def per_step_decode(
     dt_bias: torch.Tensor | None = None,
     beta_sigmoid: bool = False,
     backend: str = "auto",
+    validate: bool = True,
 ) -> torch.Tensor:
-    """One GDN/KDA decode token on a per-step pool (same arguments as ``leapquant_decode``)."""
+    """One GDN/KDA decode token on a per-step pool (same arguments as ``leapquant_decode``; ``g`` is
+    ``[N, HV]`` or ``[N, HV, K]``).  ``validate=False`` skips the checks that synchronize with the GPU
+    (for CUDA graphs)."""
     n, heads, d_v, d_k = slots.shape[0], pool.state.shape[1], pool.state.shape[2], pool.state.shape[3]
+    if validate:
+        check_slots(slots, pool.slots, pool.device)
+        check_step_inputs(pool.device, n, heads, d_k, d_v, g.ndim == 3, q, k, v, g, beta, A_log, dt_bias)
     qk_scale = d_k**-0.5 if scale is None else float(scale)
     if use_triton(pool.device, backend):
+        check_kernel_head_dims(d_k, d_v)
         from .fused_recurrent import per_step_kernel
 
         out = torch.empty(n, heads, d_v, dtype=v.dtype, device=pool.device)
