@@ -163,6 +163,45 @@ def test_patch_takes_over_a_cache_filled_before_it(arch):
     assert 0 < rel < 1e-2
 
 
+@pytest.mark.parametrize("arch", ["qwen3_5", "kimi_linear"])
+def test_a_new_patch_takes_over_the_states_an_earlier_patch_left(arch):
+    """Re-patching between calls on one cache: the next call runs the new method from the old method's
+    state (read back dense), not the old method. Re-patched to fp32, it is the unpatched model continued
+    from that dense state with the rest of the cache as it was."""
+    import copy
+
+    from transformers import DynamicCache
+
+    from leapquant.integrations.transformers import _STATES_ATTR
+
+    model = tiny_model(arch, d=32, decay_scale=0.05)
+    ids = torch.randint(3, 64, (2, 12), generator=torch.Generator().manual_seed(12))
+    old = leapquant.patch(model, "int4/w4+ct2", backend="reference64")
+    cache = DynamicCache(config=model.config)
+
+    def rest(c):
+        return torch.cat(
+            [model(ids[:, t : t + 1], past_key_values=c, use_cache=True).logits for t in (9, 10)], 1
+        )
+
+    with torch.no_grad():
+        model(ids[:, :8], past_key_values=cache, use_cache=True)
+        model(ids[:, 8:9], past_key_values=cache, use_cache=True)
+        handed_over = old.states(cache)
+        dense_cache = copy.deepcopy(cache)
+        kept = rest(copy.deepcopy(cache))  # the old method, had it stayed
+        new = leapquant.patch(model, "fp32")
+        got = rest(cache)
+        assert set(new.states(cache)) == set(handed_over)
+        leapquant.unpatch(model)
+        delattr(dense_cache, _STATES_ATTR)
+        for idx, state in handed_over.items():
+            dense_cache.layers[idx].recurrent_states[0] = state.clone()
+        ref = rest(dense_cache)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+    assert (got - kept).abs().max() > 1e-4
+
+
 def test_triton_backend_matches_reference():
     model = tiny_model("qwen3_5", d=16)
     ids = torch.randint(3, 64, (2, 14), generator=torch.Generator().manual_seed(7))

@@ -147,6 +147,7 @@ class _RowGroups:
                 f"({', '.join(m.name for m in patched.methods)})"
             )
         self.size = b // groups
+        self.owner = patched  # a later patch of the model takes these states over (_PatchedLayer.run)
         self.handle_seen: torch.Tensor | None = None  # the cache tensor whose rows were last read
         self.states = []
         for i, plan in enumerate(patched.methods):
@@ -296,6 +297,21 @@ class _RowGroups:
         for st, saved in zip(self.states, snap["states"], strict=True):
             st.restore(saved)
 
+    def follow(self, handle: torch.Tensor) -> None:
+        """Take the row order of the cache tensor ``handle`` where it is one not read yet: the first decode
+        step, or a cache that replaced its tensor (reorder_cache's index_select for beam search,
+        offload/prefetch). Its rows say which of our rows each batch row now is. Reading them synchronizes
+        with the GPU, so it is done only then: transformers copies our handle into the same tensor at every
+        step (a static address for CUDA graphs), which then holds 0..B-1 again."""
+        if handle is self.handle_seen:
+            return
+        rows = handle.reshape(handle.shape[0], -1)[:, 0].round().long()
+        if rows.numel() != self.size * len(self.states) or not torch.equal(
+            rows, torch.arange(rows.numel(), device=rows.device)
+        ):
+            self.select_rows(rows)
+        self.handle_seen = handle
+
     def select_rows(self, rows: torch.Tensor) -> None:
         # the states' tensors are replaced below: graphs addressing them go first, even if a check fails
         self._chunk_graphs.clear()
@@ -386,18 +402,13 @@ class _PatchedLayer:
             groups = _RowGroups(self.patched, self.layer_idx, self.kind, recurrent, final.float())
             store[self.layer_idx] = groups
             return out, _row_handle(query.shape[0], query.device)
-        if initial_state is not groups.handle_seen:
-            # A cache tensor we have not read yet: the first decode step, or a cache that replaced its
-            # tensor (reorder_cache's index_select for beam search, offload/prefetch). Its rows say which of
-            # our rows each batch row now is. Reading them synchronizes with the GPU, so it is done only
-            # here: transformers copies our handle into the same tensor at every step (a static address for
-            # CUDA graphs), which then holds 0..B-1 again.
-            rows = initial_state.reshape(initial_state.shape[0], -1)[:, 0].round().long()
-            if rows.numel() != groups.size * len(groups.states) or not torch.equal(
-                rows, torch.arange(rows.numel(), device=rows.device)
-            ):
-                groups.select_rows(rows)
+        groups.follow(initial_state)
+        if groups.owner is not self.patched:
+            # states an earlier patch of the model left in this cache: read back as dense rows, they are
+            # the hand-off to this patch's methods (as a cache filled before any patch, above)
+            groups = _RowGroups(self.patched, self.layer_idx, self.kind, recurrent, groups.materialize())
             groups.handle_seen = initial_state
+            store[self.layer_idx] = groups
         out = groups.step_chunk(query, key, value, g, beta, use_qk_l2norm_in_kernel, out_dtype=query.dtype)
         return out, _row_handle(query.shape[0], query.device)
 
@@ -500,7 +511,8 @@ def patch(
 
     Returns:
         A :class:`LeapQuantPatch`; call ``.unpatch()`` to restore the model. Patching a patched model
-        replaces the previous patch.
+        replaces the previous patch. A cache filled before the patch, or under an earlier one, goes on
+        from the state it holds (read back dense, then kept in this patch's methods).
     """
     if isinstance(method, (str, MethodConfig, LayerPlan)):
         method = (method,)
