@@ -339,3 +339,28 @@ def test_a_model_without_attention_layers_runs_every_command(tmp_path):
     plan = tmp_path / "plan.json"
     assert main(["calibrate", "--model", str(path), "--tokens", "64", "--out", str(plan)]) == 0
     assert plan.stat().st_size > 0
+
+
+def test_text_is_gathered_until_the_tokenizer_makes_enough_tokens():
+    """A tokenizer packing more than 4 bytes a token (large BPE vocabularies on source) still gets its
+    tokens: the text grows until it holds them, and a corpus that runs out says so."""
+    from leapquant.eval.model_eval import text_with_tokens
+
+    asked = []
+
+    def gather(min_bytes):  # exactly what is asked for, as a corpus of small files could give
+        asked.append(min_bytes)
+        if min_bytes > 4096:
+            raise LeapQuantError(f"corpus holds 4096 bytes, fewer than the {min_bytes} asked for")
+        return "x" * min_bytes, ["f.py"]
+
+    def tokenizer(bytes_per_token):
+        return lambda text, add_special_tokens=False: {"input_ids": [0] * (len(text) // bytes_per_token)}
+
+    text, files = text_with_tokens(tokenizer(1), 100, gather)
+    assert (len(text), files, asked) == (400, ["f.py"], [400])
+    asked.clear()
+    text, _ = text_with_tokens(tokenizer(10), 100, gather)
+    assert len(tokenizer(10)(text)["input_ids"]) >= 100 and asked == [400, 800, 1600]
+    with pytest.raises(LeapQuantError, match="fewer than the 6400"):
+        text_with_tokens(tokenizer(40), 100, gather)

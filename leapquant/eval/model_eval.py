@@ -44,6 +44,7 @@ __all__ = [
     "nonfinite_by",
     "record_trace",
     "stdlib_text",
+    "text_with_tokens",
 ]
 
 DEFAULT_MODEL = checkpoint_path(DEFAULT_CHECKPOINT)
@@ -148,6 +149,21 @@ def load_model(path: str | Path, device: str = "auto"):
     return model.to(device).eval(), tokenizer
 
 
+def text_with_tokens(
+    tokenizer, tokens: int, gather: Callable[[int], tuple[str, list[str]]]
+) -> tuple[str, list[str]]:
+    """Text from ``gather(min_bytes)`` (text and the files it came from) that ``tokenizer`` makes at least
+    ``tokens`` tokens of: 4 bytes a token at first (a byte-level tokenizer needs 1), doubled while the
+    tokenizer packs more bytes into a token than that (large BPE vocabularies on source code can).
+    ``gather`` raises when its corpus runs out."""
+    min_bytes = 4 * tokens
+    while True:
+        text, files = gather(min_bytes)
+        if len(tokenizer(text, add_special_tokens=False)["input_ids"]) >= tokens:
+            return text, files
+        min_bytes *= 2
+
+
 def _encode(tokenizer, text: str, needed: int, source: str) -> list[int]:
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     if len(ids) < needed:
@@ -197,7 +213,7 @@ def evaluate_model(
     text_needed = max(needed, 4 * GREEDY_PROMPTS * config.prefill) if config.generate else needed
     files: list[str] = []
     if text is None:
-        text, files = stdlib_text(text_needed * 4)
+        text, files = text_with_tokens(tokenizer, text_needed, stdlib_text)
     all_ids = torch.tensor(_encode(tokenizer, text, text_needed, text_source), device=model.device)
     ids = all_ids[:needed]
     rows = ("fp32", *config.methods)
@@ -417,7 +433,7 @@ def record_trace(
 
     files: list[str] = []
     if text is None:
-        text, files = stdlib_text(tokens * 4)
+        text, files = text_with_tokens(tokenizer, tokens, stdlib_text)
     ids = torch.tensor(_encode(tokenizer, text, tokens, text_source), device=model.device)
     available = [idx for idx, _ in linear_attention_layers(model)]
     chosen = list(layers) if layers else available

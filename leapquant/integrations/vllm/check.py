@@ -161,7 +161,7 @@ def run_engine(model: str, method: str | None, args) -> dict:
         cmd += ["--method", method] if method else []
         cmd += [] if args.prefix_caching else ["--no-prefix-caching"]
         env = os.environ | {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # apply_model sends state_report
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib))
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(args.kv_cache_gib)  # the report records this value
         if args.tp > 1:
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(args.tp)))
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
