@@ -234,6 +234,34 @@ def test_bad_input():
         leapquant.patch(llama, "int8")
 
 
+def test_what_the_patched_state_cannot_follow_raises_instead_of_going_around_it():
+    """Packed sequences on the state path, and kernel calls with positional arguments (another
+    transformers version), would otherwise bypass or misread the quantized state."""
+    from transformers import DynamicCache
+
+    from leapquant.integrations.transformers import _ACTIVE, _dispatcher
+
+    model = tiny_model("qwen3_5")
+    ids = torch.randint(3, 64, (1, 12), generator=torch.Generator().manual_seed(4))
+    leapquant.patch(model, "int8/w4", backend="reference")
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids[:, :8], past_key_values=cache, use_cache=True)
+        with pytest.raises(LeapQuantError, match="packed sequences"):
+            cu = torch.tensor([0, 2], dtype=torch.int32)
+            model(ids[:, 8:10], past_key_values=cache, use_cache=True, cu_seq_lens_q=cu)
+    leapquant.unpatch(model)
+    dispatch = _dispatcher(lambda q, k, v, *rest, **kw: (q, None), chunked=False)
+    x = torch.zeros(1)
+    assert dispatch(x, x, x, 1.0)[0] is x  # no patched layer running: the original, as called
+    token = _ACTIVE.set((None, None))
+    try:
+        with pytest.raises(LeapQuantError, match="positional arguments"):
+            dispatch(x, x, x, 1.0)
+    finally:
+        _ACTIVE.reset(token)
+
+
 @pytest.mark.parametrize("method", ["int8", "mxfp4", "turboquant-4"])
 @pytest.mark.parametrize("arch", ["qwen3_5", "kimi_linear"])
 def test_per_step_fast_path_matches_reference(arch, method):

@@ -114,8 +114,13 @@ def _release_dispatchers(module_name: str, kind: _LayerKind) -> None:
 def _dispatcher(original: Callable, chunked: bool) -> Callable:
     def dispatch(query, key, value, *args, **kwargs):
         active = _ACTIVE.get()
-        if active is None or args:
+        if active is None:
             return original(query, key, value, *args, **kwargs)
+        if args:  # going around the patch would leave the state unquantized without a word
+            raise LeapQuantError(
+                f"{getattr(original, '__name__', 'the kernel')} was called with positional arguments past "
+                "query, key and value: this transformers version is not supported by leapquant.patch"
+            )
         layer, cache = active
         return layer.run(original, chunked, cache, query, key, value, **kwargs)
 
@@ -402,6 +407,11 @@ class _PatchedLayer:
             groups = _RowGroups(self.patched, self.layer_idx, self.kind, recurrent, final.float())
             store[self.layer_idx] = groups
             return out, _row_handle(query.shape[0], query.device)
+        if kwargs.get("cu_seqlens") is not None:
+            raise LeapQuantError(
+                "packed sequences (cu_seqlens) reached a patched layer's state, which keeps one row per "
+                "batch row: pass a padded batch"
+            )
         groups.follow(initial_state)
         if groups.owner is not self.patched:
             # states an earlier patch of the model left in this cache: read back as dense rows, they are
