@@ -76,6 +76,7 @@ class LeapQuantGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
                          reduce_results=reduce_results)  # fmt: skip
         self.leapquant = _gdn_pool(vllm_config)
         self._leapquant_pool = None
+        self._leapquant_bound: tuple = ()
         if self.leapquant is None:
             return
         if self.num_spec:
@@ -105,10 +106,12 @@ class LeapQuantGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
     def pool(self):
         """The :class:`~leapquant.ops.pool.LeapQuantPool` over this layer's bound state tensors."""
         tensors = self.kv_cache[1:]
-        have = self._leapquant_pool
-        if have is None or have.payload.data_ptr() != tensors[0].data_ptr():
-            self._leapquant_pool = have = pool_view(self.leapquant, tensors)
-        return have
+        # rebuilt whenever vLLM has bound any other tensor (every one, not the payload alone: a view over a
+        # freed scale or record tensor would write into memory vLLM gave to something else)
+        bound = tuple((t.data_ptr(), tuple(t.shape), tuple(t.stride())) for t in tensors)
+        if self._leapquant_pool is None or self._leapquant_bound != bound:
+            self._leapquant_pool, self._leapquant_bound = pool_view(self.leapquant, tensors), bound
+        return self._leapquant_pool
 
     def _forward_leapquant_cpu(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # the projections of QwenGatedDeltaNetAttention.forward_cpu; only the core op differs
