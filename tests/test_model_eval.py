@@ -343,8 +343,9 @@ def test_a_model_without_attention_layers_runs_every_command(tmp_path):
 
 def test_text_is_gathered_until_the_tokenizer_makes_enough_tokens():
     """A tokenizer packing more than 4 bytes a token (large BPE vocabularies on source) still gets its
-    tokens: the text grows until it holds them, and a corpus that runs out says so."""
-    from leapquant.eval.model_eval import text_with_tokens
+    tokens: the text grows until it holds them, and a corpus that runs out, or given text that is too
+    short, says so."""
+    from leapquant.eval.model_eval import token_ids
 
     asked = []
 
@@ -355,12 +356,14 @@ def test_text_is_gathered_until_the_tokenizer_makes_enough_tokens():
         return "x" * min_bytes, ["f.py"]
 
     def tokenizer(bytes_per_token):
-        return lambda text, add_special_tokens=False: {"input_ids": [0] * (len(text) // bytes_per_token)}
+        return lambda text, add_special_tokens=False: {"input_ids": list(range(len(text) // bytes_per_token))}
 
-    text, files = text_with_tokens(tokenizer(1), 100, gather)
-    assert (len(text), files, asked) == (400, ["f.py"], [400])
+    ids, text, files = token_ids(tokenizer(1), 100, "corpus", gather=gather)
+    assert (ids, len(text), files, asked) == (list(range(100)), 400, ["f.py"], [400])
     asked.clear()
-    text, _ = text_with_tokens(tokenizer(10), 100, gather)
-    assert len(tokenizer(10)(text)["input_ids"]) >= 100 and asked == [400, 800, 1600]
+    ids, text, _ = token_ids(tokenizer(10), 100, "corpus", gather=gather)
+    assert ids == list(range(100)) and len(text) == 1600 and asked == [400, 800, 1600]
     with pytest.raises(LeapQuantError, match="fewer than the 6400"):
-        text_with_tokens(tokenizer(40), 100, gather)
+        token_ids(tokenizer(40), 100, "corpus", gather=gather)
+    with pytest.raises(LeapQuantError, match="given text has 99 tokens, fewer than the 100"):
+        token_ids(tokenizer(1), 100, "given text", text="y" * 99, gather=gather)

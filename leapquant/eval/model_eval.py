@@ -44,7 +44,7 @@ __all__ = [
     "nonfinite_by",
     "record_trace",
     "stdlib_text",
-    "text_with_tokens",
+    "token_ids",
 ]
 
 DEFAULT_MODEL = checkpoint_path(DEFAULT_CHECKPOINT)
@@ -149,26 +149,29 @@ def load_model(path: str | Path, device: str = "auto"):
     return model.to(device).eval(), tokenizer
 
 
-def text_with_tokens(
-    tokenizer, tokens: int, gather: Callable[[int], tuple[str, list[str]]]
-) -> tuple[str, list[str]]:
-    """Text from ``gather(min_bytes)`` (text and the files it came from) that ``tokenizer`` makes at least
-    ``tokens`` tokens of: 4 bytes a token at first (a byte-level tokenizer needs 1), doubled while the
-    tokenizer packs more bytes into a token than that (large BPE vocabularies on source code can).
-    ``gather`` raises when its corpus runs out."""
-    min_bytes = 4 * tokens
+def token_ids(
+    tokenizer,
+    needed: int,
+    source: str,
+    text: str | None = None,
+    gather: Callable[[int], tuple[str, list[str]]] = stdlib_text,
+) -> tuple[list[int], str, list[str]]:
+    """The first ``needed`` token ids of ``text``, with the text and the files it came from.
+
+    Without ``text`` it comes from ``gather(min_bytes)``: 4 bytes a token at first (a byte-level tokenizer
+    needs 1), doubled while the tokenizer packs more bytes into a token than that (large BPE vocabularies
+    on source code can); ``gather`` raises when its corpus runs out. Given text that is too short raises,
+    naming ``source``."""
+    gathered, files, min_bytes = text is None, [], 4 * needed
     while True:
-        text, files = gather(min_bytes)
-        if len(tokenizer(text, add_special_tokens=False)["input_ids"]) >= tokens:
-            return text, files
+        if gathered:
+            text, files = gather(min_bytes)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) >= needed:
+            return ids[:needed], text, files
+        if not gathered:
+            raise LeapQuantError(f"{source} has {len(ids)} tokens, fewer than the {needed} requested")
         min_bytes *= 2
-
-
-def _encode(tokenizer, text: str, needed: int, source: str) -> list[int]:
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    if len(ids) < needed:
-        raise LeapQuantError(f"{source} has {len(ids)} tokens, fewer than the {needed} requested")
-    return ids[:needed]
 
 
 def _rel(a, b) -> float:
@@ -211,10 +214,8 @@ def evaluate_model(
     needed = config.prefill + config.tokens + 1
     # greedy prompts are spread over at least 4 prompt lengths each, whatever the teacher-forced length
     text_needed = max(needed, 4 * GREEDY_PROMPTS * config.prefill) if config.generate else needed
-    files: list[str] = []
-    if text is None:
-        text, files = text_with_tokens(tokenizer, text_needed, stdlib_text)
-    all_ids = torch.tensor(_encode(tokenizer, text, text_needed, text_source), device=model.device)
+    text_ids, text, files = token_ids(tokenizer, text_needed, text_source, text)
+    all_ids = torch.tensor(text_ids, device=model.device)
     ids = all_ids[:needed]
     rows = ("fp32", *config.methods)
     # a checkpoint's identity fingerprints the weights: computed only for runs that keep one
@@ -431,10 +432,8 @@ def record_trace(
     from ..recurrences import Records
     from ..recurrences.delta import gated_deltanet_records, kda_records
 
-    files: list[str] = []
-    if text is None:
-        text, files = text_with_tokens(tokenizer, tokens, stdlib_text)
-    ids = torch.tensor(_encode(tokenizer, text, tokens, text_source), device=model.device)
+    text_ids, text, files = token_ids(tokenizer, tokens, text_source, text)
+    ids = torch.tensor(text_ids, device=model.device)
     available = [idx for idx, _ in linear_attention_layers(model)]
     chosen = list(layers) if layers else available
     for idx in chosen:

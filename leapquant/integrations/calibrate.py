@@ -45,7 +45,7 @@ def calibrate_model(
         tokens: calibration tokens (the records of every linear layer, from the model's own FP32 state).
         text: calibration text (default: :func:`calibration_text`).
     """
-    from ..eval.model_eval import record_trace, text_with_tokens
+    from ..eval.model_eval import record_trace, token_ids
 
     if isinstance(policy, str):
         if policy not in POLICIES:
@@ -59,7 +59,7 @@ def calibrate_model(
         raise LeapQuantError(f"calibration needs at least 16 tokens, got {tokens}")
     source = "leapquant source" if text is None else "given text"
     if text is None:
-        text, _ = text_with_tokens(tokenizer, tokens, lambda n: (calibration_text(n), []))
+        _, text, _ = token_ids(tokenizer, tokens, source, gather=lambda n: (calibration_text(n), []))
     records, meta = record_trace(model, tokenizer, tokens, text=text, text_source=source)
     layers = meta["layers"]
     heads = records.k.shape[0] // len(layers)

@@ -361,6 +361,11 @@ class _PatchedLayer:
     def restore(self) -> None:
         self.module.forward = self.original_forward
 
+    def _new_groups(self, state: torch.Tensor) -> _RowGroups:
+        """This patch's states for the dense ``state [B, HV, K, V]`` (fp32)."""
+        recurrent = sys.modules[type(self.module).__module__].__dict__[self.kind.recurrent_fn].__wrapped__
+        return _RowGroups(self.patched, self.layer_idx, self.kind, recurrent, state)
+
     def run(self, original, chunked, cache, query, key, value, *, g, beta, initial_state=None,
             output_final_state=False, use_qk_l2norm_in_kernel=False, **kwargs):  # fmt: skip
         if self.recorder is not None:
@@ -379,7 +384,6 @@ class _PatchedLayer:
             )
         store = cache.__dict__.setdefault(_STATES_ATTR, {})
         groups = store.get(self.layer_idx)
-        recurrent = sys.modules[type(self.module).__module__].__dict__[self.kind.recurrent_fn].__wrapped__
         if groups is None and initial_state is not None:
             # a cache filled before this patch (or by the unpatched model) holds the dense state: it is the
             # prefill's hand-off, quantized here rather than dropped
@@ -387,7 +391,7 @@ class _PatchedLayer:
                 raise LeapQuantError(
                     "this cache's linear-attention state was written by a patch whose states it lost"
                 )
-            groups = _RowGroups(self.patched, self.layer_idx, self.kind, recurrent, initial_state.float())
+            groups = self._new_groups(initial_state.float())
             groups.handle_seen = initial_state  # its rows are in batch order: nothing to select
             store[self.layer_idx] = groups
         if initial_state is None:
@@ -404,7 +408,7 @@ class _PatchedLayer:
                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                 **kwargs,
             )
-            groups = _RowGroups(self.patched, self.layer_idx, self.kind, recurrent, final.float())
+            groups = self._new_groups(final.float())
             store[self.layer_idx] = groups
             return out, _row_handle(query.shape[0], query.device)
         if kwargs.get("cu_seqlens") is not None:
@@ -416,7 +420,7 @@ class _PatchedLayer:
         if groups.owner is not self.patched:
             # states an earlier patch of the model left in this cache: read back as dense rows, they are
             # the hand-off to this patch's methods (as a cache filled before any patch, above)
-            groups = _RowGroups(self.patched, self.layer_idx, self.kind, recurrent, groups.materialize())
+            groups = self._new_groups(groups.materialize())
             groups.handle_seen = initial_state
             store[self.layer_idx] = groups
         out = groups.step_chunk(query, key, value, g, beta, use_qk_l2norm_in_kernel, out_dtype=query.dtype)
