@@ -579,3 +579,21 @@ def test_only_kernel_pools_may_run_inside_a_callers_graph(method, backend, captu
             with pytest.raises(LeapQuantError, match="is not a kernel pool"):
                 groups._check_capturable()
     patched.unpatch()
+
+
+@pytest.mark.parametrize(("d_k", "d_v"), [(128, 128), (96, 128), (128, 80)], ids=["128x128", "dk96", "dv80"])
+def test_auto_backend_keeps_heads_the_kernels_cannot_tile_on_the_reference(d_k, d_v):
+    """The choice is made before a state exists (no CUDA needed): ``auto`` picks the kernel pool only for
+    heads it can tile, and ``triton`` refuses the others up front."""
+    from leapquant.integrations.backends import KernelState, ReferenceState, make_state
+    from leapquant.methods.config import parse_method
+
+    tileable = d_k == 128 and d_v == 128
+    args = dict(device=torch.device("cuda"), decay="scalar", recurrent_fn=None, head_dims=(d_k, d_v))
+    st = make_state(parse_method("leapquant-int8"), backend="auto", **args)
+    assert isinstance(st, KernelState if tileable else ReferenceState)
+    if tileable:
+        assert isinstance(make_state(parse_method("leapquant-int8"), backend="triton", **args), KernelState)
+    else:
+        with pytest.raises(LeapQuantError, match=r"backend 'triton'.*not a power of two"):
+            make_state(parse_method("leapquant-int8"), backend="triton", **args)

@@ -373,6 +373,7 @@ def make_state(
     decay: str,
     recurrent_fn: Callable,
     graphs: bool = True,
+    head_dims: tuple[int, int] | None = None,
 ):
     """The state object for method ``config`` on ``device``.
 
@@ -381,11 +382,24 @@ def make_state(
     ``"reference"``, ``"triton"`` (error if the method has no kernel) or ``"reference64"`` (float64).
     ``graphs``: on CUDA, replay each step (kernel pools) or round trip (per-step formats) as a captured
     CUDA graph; False launches eagerly every time.
+    ``head_dims``: ``(d_k, d_v)`` of the states it will load, where known: ``"auto"`` then keeps heads the
+    kernels cannot tile (sizes that are not powers of two) on the reference, and ``"triton"`` refuses them
+    here rather than at the first load.
     """
+    from ..ops.checks import check_kernel_head_dims
+
     if config.name == "fp32":
         return NativeState(recurrent_fn)
+    tileable = True
+    if head_dims is not None:
+        try:
+            check_kernel_head_dims(*head_dims)
+        except LeapQuantError as exc:
+            if backend == "triton":
+                raise LeapQuantError(f"backend 'triton': {exc}") from None
+            tileable = False
     if backend == "auto":
-        if device.type == "cuda" and KernelState.unsupported(config) is None:
+        if device.type == "cuda" and tileable and KernelState.unsupported(config) is None:
             return KernelState(config, decay, graphs=graphs)
         if config.window == 1 and not config.compensators:
             return DequantizedState(config, recurrent_fn, graphs=graphs)

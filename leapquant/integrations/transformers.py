@@ -163,6 +163,7 @@ class _RowGroups:
                 device=state.device,
                 decay=kind.decay,
                 recurrent_fn=recurrent_fn,
+                head_dims=(state.shape[2], state.shape[3]),
             )
             st.load(state[i * self.size : (i + 1) * self.size])
             self.states.append(st)
