@@ -566,6 +566,51 @@ def test_close_matches_reference_across_fit_options(family, residual, rank, smoo
     assert rel(dense[0], dense[1]) < 0.5 * rel(dense[1], dense[2])
 
 
+FORGETFUL_CASES = [
+    pytest.param("gdn", "int4", 8, id="gdn-int4-r8"),
+    pytest.param("kda", "int4", 8, id="kda-int4-r8"),
+    pytest.param("gdn", "int8", 4, id="gdn-int8-r4"),
+]
+
+
+@pytest.mark.parametrize(
+    ("family", "residual", "rank", "close_impl"), with_close_impls(FORGETFUL_CASES, residual_at=1, rank_at=2)
+)
+def test_fit_of_a_state_with_fewer_directions_than_tokens(family, residual, rank, close_impl):
+    """A head that forgets almost everything at each token (decay e^-20) holds one direction at a window's
+    end.  The fit keeps it and zeroes the other tokens; normalizing their rounding noise instead gave unit
+    keys far from orthogonal to the first, so that ``K U^T`` was no projection and the quantized residual
+    outgrew the state."""
+    from leapquant.ops.leapquant_decode import LaunchConfig
+
+    hv, n, window = 2, 3, 4
+    gen = torch.Generator(device=DEVICE).manual_seed(rank)
+    cfg = pool_config(heads=hv, d_k=K, d_v=V, window=window, compensators=rank, smoothing=True,
+                      residual=residual, decay="vector" if family == "kda" else "scalar")  # fmt: skip
+    slots = torch.arange(n, dtype=torch.int32, device=DEVICE)
+    pools = {b: LeapQuantPool.allocate(cfg, n, DEVICE) for b in ("triton", "reference")}
+    exact = ExactStates(n, hv)
+    s0 = torch.randn(n, hv, K, V, generator=gen, device=DEVICE)
+    for backend, pool in pools.items():
+        load_states(pool, slots, s0, backend=backend)
+    exact.load(slots, s0)
+    launch = LaunchConfig(close_impl=close_impl)
+    for _ in range(2 * window):  # two closes
+        q, k, v, g, beta = tokens(family, n, 1, hv, gen)
+        x = (q, k, v, torch.full_like(g, -20.0), 0.5 + 0.5 * beta)
+        exact.step(slots, *x)
+        for backend, pool in pools.items():
+            leapquant_decode(pool, slots, *x, backend=backend, launch=launch)
+    truth = exact.state
+    for backend, pool in pools.items():
+        keys = pool.tensors["comp_k"].float().reshape(n * hv, rank, K)
+        kept = keys.norm(dim=-1) > 0.5
+        assert kept.sum(-1).tolist() == [1] * (n * hv), backend  # one direction; the rest exactly zero
+        assert torch.equal(keys[~kept], torch.zeros_like(keys[~kept])), backend
+        # quantizing a residual of rounding size: the fp16 token is the error
+        assert rel(materialize_states(pool, slots, backend=backend), truth) < 2e-3, backend
+
+
 SCRATCH_CASES = [
     # family, residual, tokens, value heads, slots, close programs per SM
     pytest.param("gdn", "int8", 4, 2, 4, 4, id="gdn-int8-r4"),

@@ -165,6 +165,23 @@ def test_orthonormalize_gives_orthonormal_columns():
     assert torch.allclose(q.transpose(-1, -2) @ q, eye, atol=1e-12)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_orthonormalize_zeroes_columns_of_rounding_noise(dtype):
+    """Rank 2 in 6 columns: the last four hold only rounding noise once the first two are taken out; they
+    become zero, and the fit of a rank-2 state is then exact (normalized noise made ``K U^T`` no
+    projection: a residual of 40% of the state)."""
+    gen = torch.Generator().manual_seed(0)
+    basis = torch.randn(3, 32, 2, generator=gen, dtype=torch.float64)
+    x = (basis @ torch.randn(3, 2, 6, generator=gen, dtype=torch.float64)).to(dtype)
+    q = orthonormalize(x)
+    assert torch.equal(q[..., 2:], torch.zeros_like(q[..., 2:]))
+    eye = torch.eye(2, dtype=dtype).expand(3, 2, 2)
+    assert torch.allclose(q[..., :2].transpose(-1, -2) @ q[..., :2], eye, atol=1e-5)
+    state = basis @ torch.randn(3, 2, 32, generator=gen, dtype=torch.float64)
+    k, u = fit_compensators(state, 6)
+    assert float((state - k @ u.transpose(-1, -2)).norm() / state.norm()) < 1e-12
+
+
 def test_smoothing_scales():
     r = torch.tensor([[1.0, -4.0], [0.0, 0.0], [9.0, 9.0]], dtype=torch.float64)
     c = smoothing_scales(r)

@@ -14,9 +14,14 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["fit_compensators", "orthonormalize", "start_vectors"]
+__all__ = ["DROP_FRACTION", "fit_compensators", "orthonormalize", "start_vectors"]
 
 _EPS = 1e-30
+# A column whose part orthogonal to the earlier ones is below this fraction of its own norm is rounding
+# noise (the state has fewer independent directions than tokens): normalized, it would be a unit vector far
+# from orthogonal to them, and K U^T no longer a projection; it becomes zero instead.  fp32 noise sits near
+# 1e-6 of the norm, genuine directions this faint carry under 1e-8 of the column's energy.
+DROP_FRACTION = 1e-4
 
 
 def start_vectors(d_v: int, rank: int, *, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
@@ -30,14 +35,18 @@ def start_vectors(d_v: int, rank: int, *, dtype: torch.dtype, device: torch.devi
 
 
 def orthonormalize(x: torch.Tensor) -> torch.Tensor:
-    """Modified Gram-Schmidt on the columns of ``[..., n, r]``; a column that vanishes becomes zero."""
+    """Modified Gram-Schmidt on the columns of ``[..., n, r]``: orthonormal columns, and zero ones where a
+    column vanishes or keeps less than :data:`DROP_FRACTION` of its norm once the earlier ones are taken
+    out (so that the nonzero columns stay orthonormal when ``x`` has rank below ``r``)."""
     cols = []
     for h in range(x.shape[-1]):
         c = x[..., h]
+        before = c.norm(dim=-1, keepdim=True)
         for prev in cols:
             c = c - (prev * c).sum(-1, keepdim=True) * prev
         norm = c.norm(dim=-1, keepdim=True)
-        cols.append(torch.where(norm > _EPS, c / norm.clamp_min(_EPS), torch.zeros_like(c)))
+        keep = (norm > _EPS) & (norm > DROP_FRACTION * before)
+        cols.append(torch.where(keep, c / norm.clamp_min(_EPS), torch.zeros_like(c)))
     return torch.stack(cols, dim=-1)
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ...methods.compensators import DROP_FRACTION
 from ..common import bf16_grid, divide_by_reciprocal, e4m3_grid, page_bases, record_decays, rint
 from .fused_recurrent import _residual_rows
 
@@ -38,6 +39,7 @@ MODE_MATERIALIZE = tl.constexpr(2)
 FAST_MIN = tl.constexpr(2.0**-60)  # row scales where dividing by a reciprocal is exact (``_store_rows``)
 FAST_MAX = tl.constexpr(2.0**60)
 FAST_C_MIN = tl.constexpr(2.0**-30)  # and column (smoothing) scales
+DROP = tl.constexpr(DROP_FRACTION)  # a fit column this far inside the earlier ones' span becomes zero
 
 
 @triton.jit
@@ -54,16 +56,19 @@ def _start_vectors(o_r, o_v):
 
 @triton.jit
 def _orthonormalize_rows(b_z, o_r, R: tl.constexpr):
-    """Gram-Schmidt on the first ``R`` rows of ``[BR, K]`` (classical, twice: as stable as modified)."""
+    """Gram-Schmidt on the first ``R`` rows of ``[BR, K]`` (classical, twice: as stable as modified); a row
+    left with less than ``DROP`` of its norm becomes zero, as in ``methods.compensators.orthonormalize``."""
     b_q = tl.zeros_like(b_z)
     for h in range(R):
         b_row = tl.sum(tl.where(o_r[:, None] == h, b_z, 0.0), 0)
+        b_before = tl.sqrt(tl.sum(b_row * b_row))
         b_coef = tl.sum(b_q * b_row[None, :], 1)
         b_row = b_row - tl.sum(b_coef[:, None] * b_q, 0)
         b_coef = tl.sum(b_q * b_row[None, :], 1)
         b_row = b_row - tl.sum(b_coef[:, None] * b_q, 0)
         b_norm = tl.sqrt(tl.sum(b_row * b_row))
-        b_row = tl.where(b_norm > 1e-30, b_row / tl.maximum(b_norm, 1e-30), 0.0)
+        b_keep = (b_norm > 1e-30) & (b_norm > DROP * b_before)
+        b_row = tl.where(b_keep, b_row / tl.maximum(b_norm, 1e-30), 0.0)
         b_q = tl.where(o_r[:, None] == h, b_row[None, :], b_q)
     return b_q
 
