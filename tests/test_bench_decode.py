@@ -184,30 +184,34 @@ def test_grouped_and_padded_moe_agree():
 
 def test_cli_writes_json_markdown_and_plot(tmp_path, capsys):
     out = tmp_path / "decode.json"
-    args = "bench decode --tiny --model both --batch 2 --context 8,16 --backends leapquant-int8 fp32:fla "
-    args += "--state-impl reference --repeats 1 --warmup 0 --profile"
+    args = "bench decode --tiny --model both --batch 2 --context 8,16 "
+    args += "--backends leapquant-int8 fp32:fla fp32 --state-impl reference --repeats 1 --warmup 0 --profile"
     args = [*args.split(), "--json", str(out), "--markdown", str(tmp_path / "d.md")]
     args += ["--plot", str(tmp_path / "d.png")]
     assert main(args) == 0
     assert "NOT meaningful" in capsys.readouterr().out
     report = json.loads(out.read_text())
     assert {"rows", "configs", "models", "settings", "timing_note", "provenance"} <= report.keys()
-    assert len(report["configs"]) == 4 and len(report["rows"]) == 8  # 2 models x 2 contexts x 2 backends
+    assert len(report["configs"]) == 4 and len(report["rows"]) == 12  # 2 models x 2 contexts x 3 backends
     row_keys = {"model", "batch", "context", "backend", "impl", "ms", "tokens_per_s", "speedup_vs_fp32",
                 "state_ms", "state_share", "state_ms_isolated", "state_share_isolated", "finite",
                 "extrapolated_full_depth_speedup", "ceiling_vs_fp32", "fraction_of_ceiling"}  # fmt: skip
     for row in report["rows"]:
         assert row_keys <= row.keys(), row_keys - row.keys()
         assert row["finite"] and row["tokens_per_s"] > 0
-    assert [r["backend"] for r in report["rows"][:2]] == [
-        "fp32:fla",
-        "leapquant-int8",
-    ]  # the baseline runs first
+    # the baseline runs first; our per-step fp32 kernel is not it
+    assert [(r["backend"], r["baseline"]) for r in report["rows"][:3]] == [
+        ("fp32:fla", True), ("leapquant-int8", False), ("fp32", False),
+    ]  # fmt: skip
     assert report["rows"][0]["speedup_vs_fp32"] == 1.0 and report["rows"][0]["impl"] == "reference-fp32"
     cfg = report["configs"][0]
     assert {"no_state", "lm_head_ms", "attention_ms", "mlp_ms", "kv_cache_bytes"} <= cfg.keys()
     assert report["models"]["kimi-linear-48b-a3b-tiny"]["mlp_types"][0] == "dense"
-    assert "| context | batch |" in (tmp_path / "d.md").read_text()
+    md = (tmp_path / "d.md").read_text()
+    assert "| context | batch |" in md
+    for line in (x for x in md.splitlines() if x.startswith(("| 8 | 2 |", "| 16 | 2 |"))):
+        # each method but the baseline beside its ceiling, and in the full-depth column
+        assert line.count("x of ") == 2 and "fp32 " in line.rsplit("|", 2)[1], line
     assert (tmp_path / "d.png").stat().st_size > 1000
 
 
@@ -299,3 +303,34 @@ def test_trace_spans_keep_the_gpu_lanes_in_microseconds():
         {"name": "b", "stream": 7, "start": 5.5, "end": 7.5},
         {"name": "Memset", "stream": -1, "start": 9.0, "end": 10.0},
     ]
+
+
+def test_variant_options_reach_the_timed_kernel(monkeypatch):
+    """``:step``, ``:triton-close`` and ``:paged`` change what ``bench decode`` times, as in ``bench kernel``:
+    the step alone (no window closes; the roofline counts it so), the close it names, vLLM's page layout."""
+    import leapquant.ops.leapquant_decode as ops
+
+    spec, weights = _tiny("qwen3.5-9b")
+    calls = []
+    real = ops.leapquant_decode
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "leapquant_decode", spy)
+    moved = {}
+    for name in ("leapquant-int8", *(f"leapquant-int8:{o}" for o in ("step", "triton-close", "paged"))):
+        model = DecodeModel(spec, weights, B, CTX, "cpu", seed=1)
+        model.backend = make_backend(parse_variant(name), spec, B, "cpu", kernel_backend="triton")
+        pools = model.backend.states
+        assert all(p.paged for p in pools) == name.endswith(":paged")
+        calls.clear()
+        before = [p.pos.clone() for p in pools]
+        assert torch.isfinite(model.step()).all()
+        moved[name] = any(not torch.equal(p.pos, b) for p, b in zip(pools, before))
+        assert all(c["boundary"] == (not name.endswith(":step")) for c in calls)
+        close = calls[0]["launch"].close_impl if calls[0]["launch"] is not None else "auto"
+        assert close == ("triton" if name.endswith(":triton-close") else "auto")
+    # the step alone keeps every window where it was (the kernels' boundary=False), the others advance
+    assert moved == {name: not name.endswith(":step") for name in moved}

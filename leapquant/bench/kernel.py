@@ -94,6 +94,20 @@ def _inputs(case: KernelCase, rotations: int, device: str, gen: torch.Generator)
     return out
 
 
+def allocate_pool(variant: Variant, cfg, slots: int, key_heads: int, device):
+    """A pool of ``slots`` for ``variant``: contiguous, or (``:paged``) laid out in vLLM's state pages, the
+    conv state (bf16, kernel width 4) first in each page and padding to 4 KiB after."""
+    from ..ops.pool import LeapQuantPool
+
+    if not variant.paged:
+        return LeapQuantPool.allocate(cfg, slots, device)
+    from ..integrations.vllm.adapter import paged_pool
+
+    conv = 2 * 3 * (2 * key_heads * cfg.d_k + cfg.heads * cfg.d_v)
+    page = -(-(conv + cfg.bytes_per_slot()) // 4096) * 4096
+    return paged_pool(cfg, slots, lead_bytes=conv, page_bytes=page, device=device)[1]
+
+
 def _randomize(pool, gen: torch.Generator) -> None:
     """Fill a pool with plausible content and positions spread uniformly over the window."""
     cfg = pool.config
@@ -188,21 +202,13 @@ def bench_variant(
         from dataclasses import replace
 
         from ..ops.leapquant_decode import LaunchConfig, leapquant_decode
-        from ..ops.pool import LeapQuantPool
 
         step_only = variant.step_only
         if variant.close != "auto":
             launch = replace(launch or LaunchConfig(), close_impl=variant.close)
         decay = "vector" if case.family == "kda" else "scalar"
         cfg = variant.pool_config(case.heads, case.d_k, case.d_v, decay)
-        if variant.paged:  # vLLM's layout: conv state first in each page, padding after
-            from ..integrations.vllm.adapter import paged_pool
-
-            conv = 2 * 3 * (2 * case.key_heads * case.d_k + case.heads * case.d_v)  # bf16, kernel width 4
-            page = -(-(conv + cfg.bytes_per_slot()) // 4096) * 4096
-            _, pool = paged_pool(cfg, case.n * rotations, lead_bytes=conv, page_bytes=page, device=device)
-        else:
-            pool = LeapQuantPool.allocate(cfg, case.n * rotations, device)
+        pool = allocate_pool(variant, cfg, case.n * rotations, case.key_heads, device)
         _randomize(pool, gen)
 
         def step(i: int) -> None:

@@ -37,6 +37,8 @@ class StateBackend:
     states: list = field(default_factory=list)
     slots: torch.Tensor | None = None
     kernel_backend: str = "auto"
+    boundary: bool = True  # False: the step alone (``:step``), windows never close
+    launch: object = None  # the LaunchConfig of a windowed method (``:triton-close``, ``:cuda-close``)
 
     def __call__(self, layer: int, q, k, v, g, beta) -> torch.Tensor:
         st = self.states[layer]
@@ -58,7 +60,10 @@ class StateBackend:
             )
         from ..ops.leapquant_decode import leapquant_decode
 
-        return leapquant_decode(st, self.slots, q, k, v, g, beta, validate=False, backend=self.kernel_backend)
+        return leapquant_decode(
+            st, self.slots, q, k, v, g, beta, validate=False, backend=self.kernel_backend,
+            boundary=self.boundary, launch=self.launch,
+        )  # fmt: skip
 
     def load(self, states: list[torch.Tensor]) -> None:
         """Set every layer's state from full-precision ``[B, HV, K, V]`` tensors (window position 0)."""
@@ -142,13 +147,17 @@ def make_backend(
             pool.state.copy_(torch.randn(pool.state.shape, generator=gen, device=device).to(pool.state.dtype))
             states.append(pool)
         return StateBackend(variant.label, f"per-step-{fmt}", spec.family, states, slots, kernel_backend)
-    from ..ops.pool import LeapQuantPool
-    from .kernel import _randomize
+    from ..ops.leapquant_decode import LaunchConfig
+    from .kernel import _randomize, allocate_pool
 
     cfg = variant.pool_config(hv, kd, kd, "vector" if spec.family == "kda" else "scalar")
     states = []
     for _ in range(n_lin):
-        pool = LeapQuantPool.allocate(cfg, batch, device)
+        pool = allocate_pool(variant, cfg, batch, spec.lin_key_heads, device)
         _randomize(pool, gen)
         states.append(pool)
-    return StateBackend(variant.label, "leapquant", spec.family, states, slots, kernel_backend)
+    launch = LaunchConfig(close_impl=variant.close) if variant.close != "auto" else None
+    impl = "leapquant" + (":step" if variant.step_only else "") + (":paged" if variant.paged else "")
+    return StateBackend(
+        variant.label, impl, spec.family, states, slots, kernel_backend, not variant.step_only, launch
+    )

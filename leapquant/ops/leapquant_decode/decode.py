@@ -75,6 +75,8 @@ def leapquant_decode(
             pool, slots, q, k, v, g, beta, None, A_log, dt_bias, qk_scale,
             True, use_qk_l2norm, beta_sigmoid, False, launch, boundary, close=close,
         )  # fmt: skip
+    if not boundary:
+        raise LeapQuantError("boundary=False (the step kernel alone, for timing) needs the Triton backend")
     if A_log is not None:
         g = naive.activate_gate(g, A_log, dt_bias)
     if beta_sigmoid:
