@@ -224,6 +224,11 @@ def test_bench_report_rebuilds_the_benchmark_tables_from_a_shipped_run(capsys, t
     assert "**Profiled steps**" in text and "| close_kernel (stream 7) | 202.2 | 40.9 - 243.1 |" in text
     # launches summed per stream in that file's form: the other heads' step lasts 281 us a launch
     assert "| step_tc_kernel (stream 175) | 281.3 | 20.7 - 302.0 |" in text
+    # a run at another batch size than --n: its variants stay in the batch-size tables, the shape is the run's
+    assert main(["bench", "report", str(results / "kernel-h200-n128-0251.json")]) == 0
+    text = capsys.readouterr().out
+    assert "(no rows at N=512; the run has N=128)" in text and "HV=32, K=128, V=128" in text
+    assert "| `int8/w16` | 3.56x |" in text and "| `leapquant-int8:triton-close` | 1.04x |" in text
 
 
 def test_bench_report_shows_each_launch_of_a_profiled_step(capsys, tmp_path):
@@ -267,3 +272,18 @@ def test_simulate_counts_one_decay_a_record_for_gdn_and_one_per_channel_for_kda(
         got = report["methods"]["leapquant-int8"]["record_buffer_bytes_per_head"]
         assert got == cfg.record_buffer_bytes(16, 8, decays), family
     assert cfg.record_buffer_bytes(16, 8, 1) < cfg.record_buffer_bytes(16, 8, 16)
+
+
+def test_provenance_names_the_commit_of_a_checkout():
+    """Every results file carries the git commit it was made at (and whether the package's code differed
+    from it); an installed wheel, which has no checkout, says so with None."""
+    import re
+
+    import leapquant
+    from leapquant.eval.provenance import provenance
+
+    info = provenance()
+    if (Path(leapquant.__file__).resolve().parents[1] / ".git").exists():
+        assert re.fullmatch(r"[0-9a-f]{40}", info["git_commit"]) and isinstance(info["git_dirty"], bool)
+    else:
+        assert info["git_commit"] is None and info["git_dirty"] is None

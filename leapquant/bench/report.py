@@ -79,8 +79,10 @@ def kernel_summary_markdown(report: dict, n: int = 512) -> str:
     rows = _ok(report)
     families = sorted({r["family"] for r in rows})
     out = [*_header(report), ""]
+    shapes = sorted({(r["heads"], r["d_k"], r["d_v"]) for r in rows if "heads" in r})
+    shape = "; ".join(f"HV={hv}, K={k}, V={v}" for hv, k, v in shapes) or "shape not recorded"
     out += [
-        f"**All variants at N={n}** (time per decode step of one layer, HV=32, K=V=128; floor = the byte "
+        f"**All variants at N={n}** (time per decode step of one layer, {shape}; floor = the byte "
         "model at the measured copy bandwidth)",
         "",
         "| variant | "
@@ -88,9 +90,12 @@ def kernel_summary_markdown(report: dict, n: int = 512) -> str:
         + " |",
         "| --- | " + " | ".join("---: | ---: | ---:" for _ in families) + " |",
     ]
-    main = [r for r in rows if r["n"] == n and r.get("table", "main") == "main"]
-    variants = list(dict.fromkeys(r["variant"] for r in main))
-    for v in variants:
+    every = [r for r in rows if r.get("table", "main") == "main"]
+    main = [r for r in every if r["n"] == n]
+    # the batch-size tables take every variant of the run, those with a row at N=n first: one that has none
+    # there (measured at other batch sizes only, or an error at this one) still gets its row
+    variants = list(dict.fromkeys(r["variant"] for r in sorted(every, key=lambda r: r["n"] != n)))
+    for v in dict.fromkeys(r["variant"] for r in main):
         cells = []
         for f in families:
             r = next((x for x in main if x["family"] == f and x["variant"] == v), None)
@@ -100,7 +105,10 @@ def kernel_summary_markdown(report: dict, n: int = 512) -> str:
             floor = (r["state_bytes"] + r["io_bytes"]) / (report["copy_gbps"] * 1e9) * 1e6
             cells.append(f"{r['ms'] * 1e3:.0f} | {floor:.0f} | {r.get('speedup_vs_fla_fp32') or 0:.2f}x")
         out.append(f"| `{v}` | " + " | ".join(cells) + " |")
-    sizes = sorted({r["n"] for r in rows if r.get("table", "main") == "main"})
+    if not main:
+        ran = ", ".join(str(x) for x in sorted({r["n"] for r in every}))
+        out.append(f"| (no rows at N={n}; the run has N={ran}) |")
+    sizes = sorted({r["n"] for r in every})
     for f in families:
         out += ["", f"**{f.upper()}: speedup over FLA fp32 against batch size**", ""]
         out.append("| variant | " + " | ".join(f"N={s}" for s in sizes) + " |")

@@ -18,8 +18,33 @@ def _version(package: str) -> str | None:
         return None
 
 
+def _git() -> tuple[str | None, bool | None]:
+    """``(commit, dirty)`` of the checkout this package runs from (``(None, None)`` for an installed wheel
+    or without git): which code made a number, where a file name alone would be the only record."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    if not (root / ".git").exists():
+        return None, None
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10
+        )
+        status = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", "leapquant", "scripts"],
+            cwd=root, capture_output=True, text=True, timeout=10,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None, None
+    if head.returncode != 0 or status.returncode != 0:
+        return None, None
+    return head.stdout.strip(), bool(status.stdout.strip())
+
+
 def provenance(cuda: bool = False) -> dict:
-    """Command line, UTC date, package versions, host; with ``cuda=True`` also the GPU and driver."""
+    """Command line, UTC date, package versions, host, the git commit (and whether the package's code
+    differs from it) where it runs from a checkout; with ``cuda=True`` also the GPU and driver."""
     import torch
 
     from .. import __version__
@@ -35,6 +60,7 @@ def provenance(cuda: bool = False) -> dict:
         "fla": _version("flash-linear-attention") or _version("fla-core"),
         "machine": f"{platform.system()} {platform.machine()}",
     }
+    info["git_commit"], info["git_dirty"] = _git()
     if cuda and torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         info["device"] = props.name
