@@ -251,8 +251,12 @@ def test_leapquant_int8_is_1_1875_bytes_per_element_through_the_planner():
     plan = plan_memory(shape, "leapquant-int8", context=4096, gpu_memory_gib=141, prefix_interval=1024)
     elements = shape.linear_layers * shape.heads_v * 128 * 128
     assert plan.bytes_per_element == 1.1875
-    # a checkpoint keeps the boundary state only: 1 + 1/32 + 1/32 + 4 * 256 * 2 / 16384 B per element
-    ckpt_state = plan.checkpoint_bytes - plan.conv_bytes
+    # the boundary state: 1 + 1/32 + 1/32 + 4 * 256 * 2 / 16384 B per element, what a checkpoint keeps where
+    # it is taken at a window's close (the paper's accounting)
+    boundary = plan_memory(
+        shape, "leapquant-int8", context=4096, gpu_memory_gib=141, prefix_interval=1024, checkpoint="boundary"
+    )
+    ckpt_state = boundary.checkpoint_bytes - boundary.conv_bytes
     assert ckpt_state / elements == 1.1875
     b = plan.state_breakdown
     assert b["payload"] == elements and b["scale"] == b["smooth"] == elements * 4 // 128
@@ -262,6 +266,8 @@ def test_leapquant_int8_is_1_1875_bytes_per_element_through_the_planner():
     records = b["rec_g"] + b["rec_k"] + b["rec_u"] + b["pos"]
     assert records == shape.linear_layers * shape.heads_v * (16 * (4 + 2 * 256) + 4)
     assert plan.state_bytes == ckpt_state + records
+    # a checkpoint of the live slot, as the vLLM plugin copies it: the record buffer too
+    assert plan.checkpoint_bytes - plan.conv_bytes == plan.state_bytes
     # KDA decays one key channel at a time: a record is 128 fp16 log decays, a key and a correction, 768 B
     kimi = PRESETS["kimi-linear-48b-a3b"]
     b = plan_memory(kimi, "leapquant-int8", context=4096, gpu_memory_gib=141).state_breakdown
@@ -321,18 +327,24 @@ def test_non_positive_numbers_are_rejected(kwargs, match):
         plan_memory(PRESETS["qwen3.5-9b"], "int9", context=16, gpu_memory_gib=141)
 
 
-def test_paper_footprint_claims():
+@pytest.mark.parametrize(
+    ("key", "paper", "slots"),
+    [("qwen3.5-9b", 0.41, 0.342), ("qwen3.5-35b-a3b", 0.51, 0.425), ("kimi-linear-48b-a3b", 0.56, 0.419)],
+)
+def test_paper_footprint_claims(key, paper, slots):
     """Paper, Memory reduction: with a checkpoint per 1K cached tokens LeapQuant cuts end-to-end memory by
     41% / 51% / 56% (Qwen3.5-9B / Qwen3.5-35B-A3B / Kimi-Linear-48B-A3B).  Our reading: per-request KV +
-    recurrent + conv state (checkpoints included) at long context, where the live state no longer matters;
-    the planner gives 41.6 / 51.8 / 57.1%."""
-    for key, paper in [("qwen3.5-9b", 0.41), ("qwen3.5-35b-a3b", 0.51), ("kimi-linear-48b-a3b", 0.56)]:
-        plans = [
-            plan_memory(PRESETS[key], m, context=2**20, gpu_memory_gib=180, prefix_interval=1024)
-            for m in ("fp32", "leapquant-int8")
-        ]
-        reduction = 1 - plans[1].per_request_bytes / plans[0].per_request_bytes
-        assert reduction == pytest.approx(paper, abs=0.015), key
+    recurrent + conv state (checkpoints included) at long context, where the live state no longer matters,
+    with checkpoints that hold the boundary state alone (the planner: 41.6 / 51.8 / 57.1%).  Checkpoints of
+    whole slots, records included, as the vLLM plugin keeps them, save less: 34.2 / 42.5 / 41.9%."""
+
+    def reduction(checkpoint: str) -> float:
+        kw = dict(context=2**20, gpu_memory_gib=180, prefix_interval=1024, checkpoint=checkpoint)
+        plans = [plan_memory(PRESETS[key], m, **kw) for m in ("fp32", "leapquant-int8")]
+        return 1 - plans[1].per_request_bytes / plans[0].per_request_bytes
+
+    assert reduction("boundary") == pytest.approx(paper, abs=0.015)
+    assert reduction("slot") == pytest.approx(slots, abs=0.001)
 
 
 def test_paper_concurrency_claim_setup():
@@ -435,3 +447,21 @@ def test_memory_check_cpu_agrees_with_the_planner_exactly(tmp_path):
         assert ckpt == 3 * one.checkpoints_bytes
         planned = sum(b.nbytes for b in buffer_plan(shape, method, batch=3, context=40, prefix_interval=16))
         assert planned == report["weights"]["planned"] + sum(r["planned"] for r in rows.values())
+
+
+@pytest.mark.parametrize("key", ["qwen3.5-9b", "kimi-linear-48b-a3b"])
+@pytest.mark.parametrize("method", ["leapquant-int6", "leapquant-int8", "leapquant-int4"])
+def test_planned_state_is_what_the_pool_allocates(key, method):
+    """The live state and a checkpoint are the pool's own tensors, counted from an allocated pool (int6
+    codes take a byte each there, not the 6 bits a packed format would)."""
+    from leapquant.methods import parse_method
+    from leapquant.ops import LeapQuantPool, PoolConfig
+
+    shape = PRESETS[key]
+    assert (shape.d_k, shape.d_v) == (128, 128)
+    cfg = PoolConfig(parse_method(method), heads=shape.heads_v, d_k=128, d_v=128, decay=shape.decay)
+    pool = LeapQuantPool.allocate(cfg, 1, "cpu")
+    per_layer = sum(t.nbytes for t in pool.tensors.values())
+    plan = plan_memory(shape, method, context=2048, gpu_memory_gib=141, prefix_interval=1024)
+    assert plan.state_bytes == shape.linear_layers * per_layer
+    assert plan.checkpoint_bytes == plan.state_bytes + plan.conv_bytes

@@ -44,6 +44,14 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "in their default mode); off by default",
     )
     p.add_argument(
+        "--checkpoint",
+        choices=("slot", "boundary"),
+        default="slot",
+        help="what a prefix-cache checkpoint of a windowed method holds: the whole slot, records included, "
+        "as the vLLM plugin copies it (default), or the boundary state alone, as the paper counts it (an "
+        "engine that closed a window on every block boundary)",
+    )
+    p.add_argument(
         "--method",
         "-m",
         action="append",
@@ -93,6 +101,7 @@ def run_memory(args: argparse.Namespace) -> int:
         reserve_gib=args.reserve,
         kv_dtype=args.kv_dtype,
         weight_dtype=args.weight_dtype,
+        checkpoint=args.checkpoint,
     )
     plans = {m: plan_memory(shape, m, **common) for m in methods}
     base = plans.get("fp32") or plan_memory(shape, "fp32", **common)
@@ -104,7 +113,8 @@ def run_memory(args: argparse.Namespace) -> int:
         else f"GQA {shape.kv_heads}x{shape.head_dim}"
     )
     ckpt = (
-        f", a checkpoint per {args.prefix_cache_interval} tokens ({first.checkpoints} per request)"
+        f", a checkpoint per {args.prefix_cache_interval} tokens ({first.checkpoints} per request, "
+        f"{'whole slots' if args.checkpoint == 'slot' else 'boundary states'})"
         if args.prefix_cache_interval
         else ", no prefix caching"
     )
@@ -162,6 +172,7 @@ def _write_json(args, shape, plans, base) -> None:
         "gpu_memory_gib": args.gpu_memory,
         "context": args.context,
         "prefix_cache_interval": args.prefix_cache_interval,
+        "checkpoint": args.checkpoint,
         "reserve_gib": next(iter(plans.values())).reserve_bytes / GIB,
         "kv_dtype": args.kv_dtype,
         "weight_dtype": args.weight_dtype,

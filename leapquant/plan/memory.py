@@ -6,15 +6,19 @@ Per request (one decode slot) a hybrid model holds, for a state method ``M`` and
   are the library's own accounting, never re-derived here: the tensors of
   :class:`~leapquant.ops.pool.PoolConfig` when a LeapQuant kernel runs ``M`` (``leapquant-int8``:
   int8 payload, fp32 value-channel scales, fp32 smoothing scales, fp16 compensator tokens, then the record
-  buffer of ``P`` records and the position), the per-step pool layout for ``fp32``/``bf16``/``int8``, and
-  otherwise :meth:`MethodConfig.bytes_per_element` plus :meth:`MethodConfig.record_buffer_bytes`;
+  buffer of ``P`` records and the position; int6 codes take a byte each there, as the pool stores them),
+  the per-step pool layout for ``fp32``/``bf16``/``int8``, and otherwise
+  :meth:`MethodConfig.bytes_per_element` plus :meth:`MethodConfig.record_buffer_bytes`;
 * **conv state**: ``conv_dim x (kernel - 1)`` values per linear layer (bf16), as vLLM and SGLang keep it;
 * **KV cache**: ``T`` tokens on every full-attention layer: K and V heads for GQA, the
   ``kv_lora_rank + qk_rope_head_dim`` latent for MLA (bf16 unless ``kv_dtype`` says otherwise);
 * **prefix-cache checkpoints** (with ``prefix_interval``): ``T // interval`` copies of the recurrent and
-  conv state, one per cached block (vLLM/SGLang "align" mode).  A checkpoint of a LeapQuant method stores
-  the boundary state only (payload, scales, smoothing, compensator tokens; no record buffer): at an
-  interval that is a multiple of the window ``P`` the window closes exactly on the block boundary.
+  conv state, one per cached block (vLLM/SGLang "align" mode).  A checkpoint of a LeapQuant method is the
+  whole slot, record buffer and window position included (``checkpoint="slot"``), as the vLLM plugin copies
+  it: windows start where a sequence's prefill ends, so a block boundary generally falls inside a window
+  whose records are live.  ``checkpoint="boundary"`` counts the boundary state alone (payload, scales,
+  smoothing, compensator tokens), what an engine that closed a window on every block boundary would keep:
+  the paper's accounting, not what this library's plugin does.
 
 ``method`` may be a :class:`~leapquant.methods.LayerPlan` (or its ``.json`` file: ``leapquant calibrate``):
 each linear layer is then counted under its own method, with the same accounting, and the state buffers of a
@@ -60,8 +64,9 @@ DTYPE_BYTES = {
     "int32": 4,
 }
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "float8_e4m3fn"}
-BOUNDARY = ("payload", "scale", "smooth", "comp_k", "comp_u")  # PoolConfig tensors a checkpoint keeps
 DEFAULT_RESERVE_FRACTION = 0.1
+CHECKPOINTS = ("slot", "boundary")
+BOUNDARY = ("payload", "scale", "smooth", "comp_k", "comp_u")  # what checkpoint="boundary" keeps of a pool
 
 
 @dataclass(frozen=True)
@@ -102,10 +107,10 @@ def state_layout(
 ) -> tuple[str, list[tuple[str, tuple, str]]]:
     """How one linear-attention layer stores ``slots`` states: ``(kind, [(name, shape, dtype), ...])``.
 
-    ``kind`` is ``pool`` (a LeapQuant kernel pool), ``per-step`` (the per-step fp32/bf16/int8 pool) or
-    ``bytes`` (no kernel yet, or a kernel pool that does not pack the format (int6 codes in bytes): boundary
-    and record bytes from :class:`MethodConfig`, as uint8).  Raises
-    :class:`LeapQuantError` for a name the method grammar rejects.
+    ``kind`` is ``pool`` (a LeapQuant kernel pool: its tensors, what a deployment allocates, int6 codes a
+    byte each), ``per-step`` (the per-step fp32/bf16/int8 pool) or ``bytes`` (no kernel yet: boundary and
+    record bytes from :class:`MethodConfig`, as uint8).  Raises :class:`LeapQuantError` for a name the
+    method grammar rejects.
     """
     from ..formats.residual import RESIDUAL_FORMATS
     from ..methods.config import as_method
@@ -117,7 +122,7 @@ def state_layout(
     pool = None
     if cfg.window > 1 and pool_unsupported(cfg) is None:
         pool = PoolConfig(cfg, heads=hv, d_k=k, d_v=v, decay=shape.decay)
-    if pool is not None and pool.packed:
+    if pool is not None:
         specs = [(n, s, str(dt).removeprefix("torch.")) for n, (s, dt) in pool.shapes(slots).items()]
         kind = "pool"
     elif cfg.window == 1 and per_step_unsupported(cfg) is None:
@@ -133,20 +138,25 @@ def state_layout(
         if records:
             specs.append(("records", (slots, hv, records), "uint8"))
         kind = "bytes"
-    _check_accounting(shape, cfg.name, cfg, specs, slots)
+    _check_accounting(shape, cfg.name, cfg, specs, slots, pool)
     return kind, specs
 
 
-def _check_accounting(shape, method, cfg, specs, slots) -> None:
-    """The layout must hold exactly what MethodConfig counts (an internal invariant, not user input)."""
+def _check_accounting(shape, method, cfg, specs, slots, pool) -> None:
+    """The layout must hold exactly what the pool allocates, and (formats stored at their own width) what
+    MethodConfig counts (an internal invariant, not user input)."""
     k, v, hv = shape.d_k, shape.d_v, shape.heads_v
-    expected = math.ceil(cfg.bytes_per_element(k, v) * k * v)
-    expected += cfg.record_buffer_bytes(k, v, 1 if shape.decay == "scalar" else k)
     got = sum(math.prod(s) * DTYPE_BYTES[d] for _, s, d in specs)
-    if got != expected * hv * slots:
-        raise RuntimeError(
-            f"{method}: state layout holds {got} B, MethodConfig counts {expected * hv * slots} B"
-        )
+    counts = {"MethodConfig": None, "the pool": None}
+    if pool is None or pool.packed:
+        expected = math.ceil(cfg.bytes_per_element(k, v) * k * v)
+        expected += cfg.record_buffer_bytes(k, v, 1 if shape.decay == "scalar" else k)
+        counts["MethodConfig"] = expected * hv * slots
+    if pool is not None:
+        counts["the pool"] = pool.bytes_per_slot() * slots
+    for who, expected in counts.items():
+        if expected is not None and got != expected:
+            raise RuntimeError(f"{method}: state layout holds {got} B, {who} counts {expected} B")
 
 
 def buffer_plan(
@@ -160,8 +170,12 @@ def buffer_plan(
     conv_dtype: str = "bf16",
     weight_dtype: str = "bf16",
     weights: bool = True,
+    checkpoint: str = "slot",
 ) -> list[BufferSpec]:
-    """Every buffer of ``batch`` requests at ``context`` tokens: weights, state, conv, KV, checkpoints."""
+    """Every buffer of ``batch`` requests at ``context`` tokens: weights, state, conv, KV, checkpoints
+    (``checkpoint``: ``"slot"`` or ``"boundary"``, see the module docstring)."""
+    if checkpoint not in CHECKPOINTS:
+        raise LeapQuantError(f"checkpoint must be one of {', '.join(CHECKPOINTS)}, got {checkpoint!r}")
     groups = layer_methods(shape, method)
     for name, value in (("batch", batch), ("context", context)):
         if value < 1:
@@ -195,12 +209,9 @@ def buffer_plan(
         slots = batch * n_ckpt
         for cfg, layers in groups.items():
             _, cspecs = state_layout(shape, cfg, slots)
-            keep = BOUNDARY if kinds[cfg] == "pool" else ("state", "scale", "payload")
-            out += [
-                BufferSpec("checkpoint_state", _tag(n, cfg, mixed), s, d, layers)
-                for n, s, d in cspecs
-                if n in keep
-            ]
+            if checkpoint == "boundary" and cfg.window > 1:
+                cspecs = [x for x in cspecs if x[0] in (BOUNDARY if kinds[cfg] == "pool" else ("payload",))]
+            out += [BufferSpec("checkpoint_state", _tag(n, cfg, mixed), s, d, layers) for n, s, d in cspecs]
         out.append(BufferSpec("checkpoint_conv", "conv", (slots, *conv), conv_t, n_lin))
     return out
 
@@ -297,9 +308,10 @@ def plan_memory(
     reserve_gib: float | None = None,
     kv_dtype: str = "bf16",
     weight_dtype: str = "bf16",
+    checkpoint: str = "slot",
 ) -> MemoryPlan:
     """The :class:`MemoryPlan` of ``method`` (a name, a :class:`MethodConfig` or a layer plan) on ``shape``
-    (see the module docstring for what is counted)."""
+    (see the module docstring for what is counted; ``checkpoint``: what a prefix-cache checkpoint holds)."""
 
     if not gpu_memory_gib > 0:
         raise LeapQuantError(f"gpu memory must be > 0 GiB, got {gpu_memory_gib}")
@@ -314,7 +326,7 @@ def plan_memory(
     by_method = layer_methods(shape, plan)
     buffers = buffer_plan(
         shape, plan, batch=1, context=context, prefix_interval=prefix_interval,
-        kv_dtype=kv_dtype, weight_dtype=weight_dtype,
+        kv_dtype=kv_dtype, weight_dtype=weight_dtype, checkpoint=checkpoint,
     )  # fmt: skip
     groups: dict[str, int] = {}
     for b in buffers:
@@ -338,7 +350,9 @@ def plan_memory(
         state_breakdown={b.name: b.nbytes for b in buffers if b.group == "state"},
         conv_bytes=groups["conv"],
         kv_bytes=groups.get("kv", 0),
-        checkpoint_bytes=ckpt_total // n_ckpt if n_ckpt else _checkpoint_bytes(shape, plan, kv_dtype),
+        checkpoint_bytes=(
+            ckpt_total // n_ckpt if n_ckpt else _checkpoint_bytes(shape, plan, kv_dtype, checkpoint)
+        ),
         weights_bytes=groups["weights"],
         gpu_bytes=int(gpu_memory_gib * GIB),
         reserve_bytes=int(reserve_gib * GIB),
@@ -350,7 +364,12 @@ def plan_memory(
     )
 
 
-def _checkpoint_bytes(shape: HybridShape, method: MethodConfig | LayerPlan, kv_dtype: str) -> int:
+def _checkpoint_bytes(
+    shape: HybridShape, method: MethodConfig | LayerPlan, kv_dtype: str, checkpoint: str
+) -> int:
     """One checkpoint's bytes when the request holds none (context shorter than the interval, or none)."""
-    bufs = buffer_plan(shape, method, batch=1, context=1, prefix_interval=1, kv_dtype=kv_dtype, weights=False)
+    bufs = buffer_plan(
+        shape, method, batch=1, context=1, prefix_interval=1, kv_dtype=kv_dtype, weights=False,
+        checkpoint=checkpoint,
+    )  # fmt: skip
     return sum(b.nbytes for b in bufs if b.group.startswith("checkpoint"))
