@@ -35,12 +35,24 @@ def test_error_gain_closed_form():
     """Without keys the error map is the decay: G = sum_n a^(2 p n) over the windows of the horizon."""
     a, k, b, _ = _layer(0.99, 0.0, t=64, heads=1, d=8)
     shape = torch.eye(8, dtype=torch.float64)[None] / 8
-    for horizon in (64, 1000, 65536):
-        windows = -(-horizon // 64) * 4  # whole cycles of the 64-token trace, 4 windows each
+    for horizon in (16, 40, 64, 1000, 65536):
+        windows = -(-horizon // 16)  # the windows the horizon spans, the 64-token trace cycled (4 a cycle)
         expected = sum(0.99 ** (2 * 16 * n) for n in range(windows))
         assert error_gain(a, k, b, 16, shape, horizon).item() == pytest.approx(expected, rel=1e-9)
     ones = torch.ones_like(a)
     assert error_gain(ones, k, b, 16, shape, 1600).item() == pytest.approx(100)  # decay 1: G = windows
+    # with keys: window by window, the trace cycled, for horizons that end inside a pass over it
+    a, k, b, _ = _layer(0.9, 0.5, t=48, heads=2, d=8, seed=3)
+    shape = torch.eye(8, dtype=torch.float64).expand(2, 8, 8) / 8
+    acc = torch.zeros(2, 8, 8, dtype=torch.float64)
+    for w in range(11):  # 11 windows of 8 tokens: one pass of 6 and 5 more
+        m = torch.eye(8, dtype=torch.float64).expand(2, 8, 8)
+        for i in range((w % 6) * 8, (w % 6 + 1) * 8):
+            m = a[:, i, :, None] * m - k[:, i, :, None] * torch.einsum("sk,skj->sj", b[:, i], m)[:, None, :]
+        acc = m @ acc @ m.transpose(-1, -2) + shape
+        if w + 1 in (1, 5, 6, 11):
+            got = error_gain(a, k, b, 8, shape, 8 * w + 3)  # a horizon inside window w + 1
+            torch.testing.assert_close(got, acc.diagonal(dim1=-2, dim2=-1).sum(-1), rtol=1e-12, atol=0)
     assert predicted_error(torch.tensor([0.1, 0.1]), torch.tensor([50.0, 100.0])).tolist() == [
         pytest.approx((0.5 / 0.5) ** 0.5),
         float("inf"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 import torch
@@ -107,6 +108,8 @@ def test_eval_report(tiny_dir):
     g = int4["generate"]
     assert g["tokens"] == 8 and g["prompts"] == 8 and 0 <= g["agreement"] <= 1
     assert len(g["first_divergence_per_prompt"]) == 8 and 0 <= g["first_divergence"] <= 8
+    firsts = [8 if x is None else x for x in g["first_divergence_per_prompt"]]
+    assert g["first_divergence"] == statistics.median(firsts)  # of 8 prompts: the middle two averaged
     # NLL computed independently from one full forward of the unpatched model
     ids = torch.tensor(tok(stdlib_text(4 * 57)[0], add_special_tokens=False)["input_ids"][:57])
     with torch.no_grad():
@@ -210,8 +213,9 @@ def test_eval_cli(tiny_dir, tmp_path, capsys):
         (["--text", "SHORT"], "fewer than the"),
         (["--text", "/nonexistent.txt"], "/nonexistent.txt: no such file"),
         (["--tokens", "0"], "--tokens: must be >= 1"),
+        (["-m", "int8", "--generate", "int4"], "--generate int4 needs the method among the evaluated ones"),
     ],
-    ids=["missing-model", "unknown-method", "short-text", "missing-text", "zero-tokens"],
+    ids=["missing-model", "unknown-method", "short-text", "missing-text", "zero-tokens", "generate-no-row"],
 )
 def test_eval_cli_errors(tiny_dir, tmp_path, capsys, argv, message):
     short = tmp_path / "short.txt"
@@ -313,10 +317,13 @@ def test_eval_split_over_processes_merges_into_one_report(tiny_dir, tmp_path, ca
     assert "in two reports" in capsys.readouterr().err
     b = json.loads(paths["b"].read_text())
     older = {k: v for k, v in b.items() if k != "chunk"}  # a report made before the chunk was recorded
-    for key, report in (("chunk", b | {"chunk": 1}), ("chunk", older), ("tokens", b | {"tokens": 6})):
+    other_marks = b | {"curves": {**b["curves"], "tokens": [4, 8, 12]}}
+    cases = [("'chunk'", b | {"chunk": 1}), ("'chunk'", older), ("'tokens'", b | {"tokens": 6})]
+    cases += [("'backend'", b | {"backend": "reference64"}), ("curve points", other_marks)]
+    for key, report in cases:
         paths["b"].write_text(json.dumps(report))
         assert main(["eval-report", str(paths["a"]), str(paths["b"]), "--merge", str(paths["merged"])]) == 2
-        assert f"differ in '{key}'" in capsys.readouterr().err
+        assert f"differ in {key}" in capsys.readouterr().err
 
 
 def test_a_model_without_attention_layers_runs_every_command(tmp_path):
@@ -367,3 +374,21 @@ def test_text_is_gathered_until_the_tokenizer_makes_enough_tokens():
         token_ids(tokenizer(40), 100, "corpus", gather=gather)
     with pytest.raises(LeapQuantError, match="given text has 99 tokens, fewer than the 100"):
         token_ids(tokenizer(1), 100, "given text", text="y" * 99, gather=gather)
+
+
+def test_bytes_per_element_of_a_plan_counts_the_layers_its_default_covers(tiny_dir, tmp_path):
+    """A plan that lists one layer and gives the rest a default: its bytes per element average every linear
+    layer of the model, not the listed one alone."""
+    from leapquant.methods import parse_method
+    from leapquant.methods.layer_plan import PLAN_FORMAT
+
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"plan": PLAN_FORMAT, "layers": {"0": "int4"}, "default": "int8"}))
+    model, tok = load_model(tiny_dir, "cpu")
+    cfg = EvalConfig(methods=(str(plan),), tokens=8, prefill=8, curve_points=1, backend="reference")
+    rep = evaluate_model(model, tok, cfg)
+    layers = len(rep["curves"]["layers"])
+    int4, int8 = (parse_method(m).bytes_per_element(128, 128) for m in ("int4", "int8"))
+    assert layers > 1
+    want = (int4 + (layers - 1) * int8) / layers
+    assert rep["methods"][str(plan)]["bytes_per_element"] == pytest.approx(want)

@@ -277,3 +277,30 @@ def test_recall_cli_runs_a_real_method_and_reports(tmp_path, capsys):
     reports["56"].write_text(json.dumps(other))
     assert main(["recall-report", str(first), str(reports["56"])]) == 2
     assert "merge: method 'int8' has bytes_per_element" in capsys.readouterr().err
+    # the planted values of every distance survive a merge
+    assert set(json.loads(first.read_text())["values"]) == {"24", "40"}
+    # prompts cut from another text: another filler source, or one distance asked on a text of another
+    # length (a run whose longest distance differed), are refused
+    cases = (("source", "filler.txt", "filler text"), ("tokens", 123, "distance 24 was asked"))
+    for key, value, message in cases:
+        other = json.loads(reports["24"].read_text())
+        other["text"][key] = value
+        other["methods"] = {"fp32": other["methods"]["fp32"]}
+        (tmp_path / "other.json").write_text(json.dumps(other))
+        assert main(["recall-report", str(reports["24"]), str(tmp_path / "other.json")]) == 2
+        assert message in capsys.readouterr().err
+
+
+def test_recall_on_a_text_file_writes_its_report(tmp_path):
+    """``--text FILE`` with ``--json``: the report names the file (a path object once stopped the first
+    partial write, and with it the run's results)."""
+    from leapquant.cli.main import main
+
+    filler = tmp_path / "filler.txt"
+    filler.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(60)))
+    out = tmp_path / "r.json"
+    argv = ["recall", "--model", "qwen35-gdn-tiny-recall-byte", "-m", "int8", "--distances", "24", "40"]
+    argv += ["--examples", "1", "--prefix", "8", "--device", "cpu", "--text", str(filler), "--json", str(out)]
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["complete"] and report["text"]["source"] == str(filler) and report["distances"] == [24, 40]

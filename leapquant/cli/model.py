@@ -63,7 +63,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "--text", metavar="FILE", type=input_file("file"), help="evaluate on this text (default: stdlib)"
     )
     p.add_argument(
-        "--generate", action="append", default=[], metavar="M", help="also free-run greedy M vs FP32"
+        "--generate",
+        action="append",
+        default=[],
+        metavar="M",
+        help="also free-run greedy M vs FP32 (M one of the -m methods)",
     )
     p.add_argument("--generate-tokens", type=count(), default=256, help="greedy tokens (default 256)")
     p.add_argument("--device", default="auto", type=device, help="auto (cuda if present), cpu, cuda, cuda:1")

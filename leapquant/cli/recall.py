@@ -127,8 +127,9 @@ def run_recall(args: argparse.Namespace) -> int:
             Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
 
     report = evaluate_recall(
-        model, tokenizer, config, text=text, text_source=args.text or "stdlib", on_partial=write
-    )
+        model, tokenizer, config, text=text, text_source=str(args.text) if args.text else "stdlib",
+        on_partial=write,
+    )  # fmt: skip
     write(report)
     table = Table(
         title=f"leapquant recall: {model_dir.name}, {config.task}, {config.examples} prompts per distance, "
@@ -187,16 +188,33 @@ def merge_recall(reports: list[dict]) -> dict:
     A complete report missing a distance means a file was left out, and is refused.
     """
     first = reports[0]
-    merged = {**first, "methods": {}, "distances": [], "seconds": {}}
+    merged = {**first, "methods": {}, "distances": [], "seconds": {}, "values": {}}
     cut_short = set()
+    text_tokens: dict[int, int] = {}  # the filler text each distance's prompts were cut from
     for r in reports:
         if not r["complete"]:
             cut_short |= set(r["methods"])
         for key in ("model", "task", "examples", "prefix", "seed"):
             if r[key] != first[key]:
                 raise LeapQuantError(f"merge: reports differ in {key!r} ({r[key]!r} vs {first[key]!r})")
+        source, tokens = r.get("text", {}).get("source"), r.get("text", {}).get("tokens")
+        first_source = first.get("text", {}).get("source")
+        if source != first_source:
+            raise LeapQuantError(f"merge: reports differ in filler text ({source!r} vs {first_source!r})")
+        for d in r["distances"]:
+            if isinstance(tokens, dict):  # a merged report: each distance's own
+                tokens = tokens[str(d)]
+            # an example's offset is drawn over the whole text, whose length follows the run's longest
+            # distance: two runs of one distance with other longest distances asked other prompts
+            if text_tokens.setdefault(d, tokens) != tokens:
+                raise LeapQuantError(
+                    f"merge: distance {d} was asked on {text_tokens[d]} and on {tokens} tokens of text (runs "
+                    "with other longest distances draw other prompts): merge runs that split by method with "
+                    "the same distances, or by distance"
+                )
         merged["distances"] = sorted(set(merged["distances"]) | set(r["distances"]))
         merged["seconds"].update(r["seconds"])
+        merged["values"].update(r.get("values", {}))
         for name, row in r["methods"].items():
             into = merged["methods"].setdefault(name, {})
             for key, value in row.items():
@@ -223,6 +241,8 @@ def merge_recall(reports: list[dict]) -> dict:
         missing = [d for d in merged["distances"] if str(d) not in row.get("accuracy", {})]
         if missing and name not in cut_short:
             raise LeapQuantError(f"merge: method {name!r} has no result at distances {missing}")
+    if len(set(text_tokens.values())) > 1:
+        merged["text"] = {**first["text"], "tokens": {str(d): n for d, n in sorted(text_tokens.items())}}
     merged["complete"] = all(r["complete"] for r in reports)
     merged["merged_from"] = len(reports)
     # each run's own wall time per distance (``seconds`` above is only the last run's, per distance) and

@@ -93,6 +93,11 @@ class EvalConfig:
             for m in ("fp32", *self.methods, *self.generate)
         }
         object.__setattr__(self, "_configs", configs)
+        extra = [m for m in self.generate if m not in self.methods]
+        if extra:  # its greedy result is reported in the method's row: without a row it would be lost
+            raise LeapQuantError(
+                f"eval: --generate {extra[0]} needs the method among the evaluated ones too (-m {extra[0]})"
+            )
         for name in ("tokens", "prefill", "curve_points", "generate_tokens", "chunk"):
             if getattr(self, name) < 1:
                 raise LeapQuantError(f"eval: {name} must be >= 1, got {getattr(self, name)}")
@@ -101,6 +106,16 @@ class EvalConfig:
         """The :class:`~leapquant.methods.MethodConfig` (or :class:`~leapquant.methods.LayerPlan`) of a
         method this config names."""
         return self._configs[name]
+
+
+def _bytes_per_element(cfg, layers: list[int]) -> float:
+    """Boundary bytes per element of 128 x 128 heads, a layer plan's averaged over the model's linear layers
+    ``layers`` (its default's included)."""
+    from ..methods import LayerPlan
+
+    if isinstance(cfg, LayerPlan):
+        return cfg.bytes_per_element(128, 128, layers)
+    return cfg.bytes_per_element(128, 128)
 
 
 def stdlib_text(min_bytes: int) -> tuple[str, list[str]]:
@@ -260,7 +275,7 @@ def evaluate_model(
                 "nll": float(nll[i] / n),
                 "state_rel_err": (num / den) ** 0.5,
                 "state_rel_err_by_layer": {str(layer): curves[layer][-1][i] for layer in curves},
-                "bytes_per_element": cfg.bytes_per_element(128, 128),
+                "bytes_per_element": _bytes_per_element(cfg, list(states)),
                 "window": cfg.window,
             }
             if name in generated:
@@ -403,7 +418,7 @@ def _greedy_against_fp32(model, ids, method: str, config: EvalConfig) -> dict:
         "tokens": config.generate_tokens,
         "prompts": GREEDY_PROMPTS,
         "agreement": float(same.double().mean()),
-        "first_divergence": float(first.double().median()),
+        "first_divergence": float(first.double().quantile(0.5)),  # the middle two of 8 prompts averaged
         "first_divergence_per_prompt": [
             int(x) if d else None for x, d in zip(first.tolist(), diverged.tolist())
         ],
@@ -488,19 +503,23 @@ def merge_reports(reports: Sequence[dict]) -> dict:
     """One report from several runs of the same evaluation split over processes by method.
 
     Every run scores its methods against its own FP32 row on the same text, so the runs must agree on the
-    model, the text, the token count and (to rounding: batches of other sizes may sum in another order) the
-    FP32 NLL; a method may appear in one run only.  Raises :class:`LeapQuantError` otherwise.
+    model, the text, the token count, the backend, the curve points and (to rounding: batches of other
+    sizes may sum in another order) the FP32 NLL; a method may appear in one run only.  Raises
+    :class:`LeapQuantError` otherwise.
     """
     if not reports:
         raise LeapQuantError("merge: no reports")
     first = reports[0]
     merged = {**first, "methods": {}, "curves": {"tokens": first["curves"]["tokens"], "layers": {}}}
     for r in reports:
-        for key in ("model", "tokens", "prefill", "text", "chunk"):
+        for key in ("model", "tokens", "prefill", "text", "chunk", "backend"):
             if r.get(key) != first.get(key):  # chunk: absent from reports made before it was recorded
                 raise LeapQuantError(
                     f"merge: reports differ in {key!r} ({r.get(key)!r} vs {first.get(key)!r})"
                 )
+        marks, first_marks = r["curves"]["tokens"], first["curves"]["tokens"]
+        if marks != first_marks:  # the segments of every row must line up
+            raise LeapQuantError(f"merge: reports differ in curve points ({marks} vs {first_marks})")
         if abs(r["fp32"]["nll"] - first["fp32"]["nll"]) > 1e-4 * abs(first["fp32"]["nll"]):
             raise LeapQuantError(f"merge: FP32 NLL {r['fp32']['nll']} vs {first['fp32']['nll']}")
         for name, row in r["methods"].items():

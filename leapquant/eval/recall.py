@@ -221,11 +221,12 @@ def evaluate_recall(
     cut short keeps the distances it finished.
     """
 
-    from ..integrations import unpatch
+    from ..integrations import linear_attention_layers, unpatch
     from ..methods import LayerPlan
-    from .model_eval import stdlib_text
+    from .model_eval import _bytes_per_element, stdlib_text
 
     rows = ("fp32", *config.methods)
+    linear = [i for i, _ in linear_attention_layers(model)]
     longest = max(config.distances) + config.prefix
     files: list[str] = []
     if text is None:  # 4x the longest example: the examples' seeded offsets spread over the text
@@ -252,7 +253,7 @@ def evaluate_recall(
         "text": {"source": text_source, "files": files[:50], "tokens": len(ids)},
         "methods": {
             m: {
-                "bytes_per_element": config.config_of(m).bytes_per_element(128, 128),
+                "bytes_per_element": _bytes_per_element(config.config_of(m), linear),
                 "window": config.config_of(m).window,
                 **({"plan": config.config_of(m).name} if isinstance(config.config_of(m), LayerPlan) else {}),
             }

@@ -10,7 +10,9 @@ Two tasks, both written as Python lines so that they blend into the source code 
 
 Everything is token ids, built piece by piece with the caller's ``encode`` (a byte tokenizer in this
 project, any tokenizer in principle), so every length, and the distance, is exact in tokens. Examples are
-a pure function of ``(seed, task, distance, index)``: the same prompts on every machine.
+a pure function of ``(seed, task, distance, index)`` and the filler text, whose length a run sizes to its
+longest distance: the same prompts on every machine for the same distances (``recall-report --merge``
+refuses runs that asked one distance on texts of other lengths).
 
 Layout of one example (``prefix`` tokens of text, then the planted block, then text up to the query)::
 

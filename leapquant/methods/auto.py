@@ -151,13 +151,16 @@ def error_gain(
     a: torch.Tensor, k: torch.Tensor, b: torch.Tensor, window: int, shape: torch.Tensor, horizon: int
 ) -> torch.Tensor:
     """``G [S]``: how much of the boundary errors (key-side shape ``shape [S, d_k, d_k]``, trace 1, one per
-    window) survives after ``horizon`` tokens, the trace's records ``[S, T, d_k]`` cycled up to it."""
+    window) survives after ``horizon`` tokens (``ceil(horizon / window)`` windows), the trace's records
+    ``[S, T, d_k]`` cycled up to it: whole passes over the trace, then the first windows of one more."""
     s, t, d_k = k.shape
     windows = t // window
     if windows < 1:
         raise LeapQuantError(f"calibration trace of {t} tokens is shorter than a window of {window}")
+    cycles, rest = divmod(-(-horizon // window), windows)
     eye = torch.eye(d_k, dtype=torch.float64).expand(s, d_k, d_k)
     phi, acc = eye.clone(), torch.zeros(s, d_k, d_k, dtype=torch.float64)
+    part_phi, part_acc = eye.clone(), torch.zeros_like(acc)  # the first ``rest`` windows
     for w in range(windows):
         m = eye.clone()
         for i in range(w * window, (w + 1) * window):
@@ -165,14 +168,16 @@ def error_gain(
             m = a[:, i, :, None] * m - k[:, i, :, None] * torch.einsum("sk,skj->sj", b[:, i], m)[:, None, :]
         acc = m @ acc @ m.transpose(-1, -2) + shape
         phi = m @ phi
+        if w + 1 == rest:
+            part_phi, part_acc = phi.clone(), acc.clone()
     # one cycle of the trace is (phi, acc); n cycles compose by binary powers (all cycles are the same)
-    cycles = max(1, -(-horizon // (windows * window)))
-    res_phi, res_acc = eye.clone(), torch.zeros_like(acc)
+    res_acc = torch.zeros_like(acc)
     while cycles:
         if cycles & 1:
-            res_phi, res_acc = phi @ res_phi, phi @ res_acc @ phi.transpose(-1, -2) + acc
+            res_acc = phi @ res_acc @ phi.transpose(-1, -2) + acc
         phi, acc = phi @ phi, phi @ acc @ phi.transpose(-1, -2) + acc
         cycles >>= 1
+    res_acc = part_phi @ res_acc @ part_phi.transpose(-1, -2) + part_acc
     return res_acc.diagonal(dim1=-2, dim2=-1).sum(-1)
 
 

@@ -16,6 +16,7 @@ Method names in the file are canonical (``MethodConfig.name``), so a saved plan 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -110,9 +111,14 @@ class LayerPlan:
                 out.append(cfg)
         return out
 
-    def bytes_per_element(self, d_k: int, d_v: int) -> float:
-        """Boundary bytes per element averaged over the listed layers (the default's if none is listed)."""
-        cfgs = [c for _, c in self.layers] or [self.default]
+    def bytes_per_element(self, d_k: int, d_v: int, layers: Sequence[int] | None = None) -> float:
+        """Boundary bytes per element averaged over a model's linear-attention ``layers`` (each under its
+        own method, the default's included), or without them over the listed layers (the default's if
+        none is listed)."""
+        if layers is not None:
+            cfgs = [self.for_layer(i) for i in layers]
+        else:
+            cfgs = [c for _, c in self.layers] or [self.default]
         return sum(c.bytes_per_element(d_k, d_v) for c in cfgs) / len(cfgs)
 
     def to_json(self) -> dict:
