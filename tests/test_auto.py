@@ -272,3 +272,15 @@ def test_calibration_measures_the_least_squares_quantizer():
         plain, _ = boundary_errors(pm("int4/w16+ct2"), a, k, b, v)
         fitted, _ = boundary_errors(pm("int4/w16+ct2+ls"), a, k, b, v)
         assert (fitted < plain).all(), (fitted, plain)
+
+
+def test_candidates_are_ranked_by_the_bytes_their_pools_hold():
+    """int6 codes take a byte each in the kernel pool, so an int6 candidate costs what int8's does and is
+    not ranked as the cheaper one; int4 codes are packed and cost less."""
+    from leapquant.methods.auto import head_bytes
+
+    names = ("int4/w16+ct8+smooth+ls", "int6/w16+ct4+smooth", "int8/w16+ct4+smooth")
+    int4, int6, int8 = (pm(m) for m in names)
+    for decay_values in (1, 128):
+        cost = {c.name: head_bytes(c, 128, 128, decay_values) for c in (int4, int6, int8)}
+        assert cost[int6.name] == cost[int8.name] > cost[int4.name]

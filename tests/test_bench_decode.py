@@ -308,7 +308,10 @@ def test_trace_spans_keep_the_gpu_lanes_in_microseconds():
 def test_variant_options_reach_the_timed_kernel(monkeypatch):
     """``:step``, ``:triton-close`` and ``:paged`` change what ``bench decode`` times, as in ``bench kernel``:
     the step alone (no window closes; the roofline counts it so), the close it names, vLLM's page layout."""
+    from dataclasses import replace
+
     import leapquant.ops.leapquant_decode as ops
+    from leapquant.ops.leapquant_decode import LaunchConfig
 
     spec, weights = _tiny("qwen3.5-9b")
     calls = []
@@ -330,7 +333,12 @@ def test_variant_options_reach_the_timed_kernel(monkeypatch):
         assert torch.isfinite(model.step()).all()
         moved[name] = any(not torch.equal(p.pos, b) for p, b in zip(pools, before))
         assert all(c["boundary"] == (not name.endswith(":step")) for c in calls)
-        close = calls[0]["launch"].close_impl if calls[0]["launch"] is not None else "auto"
-        assert close == ("triton" if name.endswith(":triton-close") else "auto")
+        launch = calls[0]["launch"]
+        assert (launch is not None) == name.endswith(":triton-close")
+        if launch is not None:  # the tuned launch of the default rows, with the close it names
+            cfg = pools[0].config
+            assert launch == replace(
+                LaunchConfig.tuned(cfg.decay, cfg.compensators, cfg.residual), close_impl="triton"
+            )
     # the step alone keeps every window where it was (the kernels' boundary=False), the others advance
     assert moved == {name: not name.endswith(":step") for name in moved}

@@ -289,6 +289,23 @@ def test_recall_cli_runs_a_real_method_and_reports(tmp_path, capsys):
         (tmp_path / "other.json").write_text(json.dumps(other))
         assert main(["recall-report", str(reports["24"]), str(tmp_path / "other.json")]) == 2
         assert message in capsys.readouterr().err
+    # a merged report keeps each distance's text: merged again with a run of one of its distances on the
+    # same text it is accepted, on another text refused; one merged before it kept them (a single count)
+    # says nothing about its distances, and merges as it did
+    run = json.loads(out.read_text())  # both distances, as one run asked them
+    run["methods"] = {"fp32": run["methods"]["fp32"], "int4": run["methods"]["int8"]}
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    tokens = run["text"]["tokens"]
+    assert json.loads(first.read_text())["text"]["tokens"] == {"24": tokens, "40": tokens}
+    assert main(["recall-report", str(first), str(tmp_path / "run.json")]) == 0, capsys.readouterr().err
+    run["text"]["tokens"] += 1
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    assert main(["recall-report", str(first), str(tmp_path / "run.json")]) == 2
+    assert "distance 24 was asked" in capsys.readouterr().err
+    old = json.loads(first.read_text())
+    old["text"]["tokens"] = 99
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert main(["recall-report", str(tmp_path / "old.json"), str(tmp_path / "run.json")]) == 0
 
 
 def test_recall_on_a_text_file_writes_its_report(tmp_path):

@@ -156,7 +156,13 @@ def make_backend(
         pool = allocate_pool(variant, cfg, batch, spec.lin_key_heads, device)
         _randomize(pool, gen)
         states.append(pool)
-    launch = LaunchConfig(close_impl=variant.close) if variant.close != "auto" else None
+    launch = None  # the tuned launch, as leapquant_decode picks it
+    if variant.close != "auto":  # the same launch with the close the variant names
+        from dataclasses import replace
+
+        launch = replace(
+            LaunchConfig.tuned(cfg.decay, cfg.compensators, cfg.residual), close_impl=variant.close
+        )
     impl = "leapquant" + (":step" if variant.step_only else "") + (":paged" if variant.paged else "")
     return StateBackend(
         variant.label, impl, spec.family, states, slots, kernel_backend, not variant.step_only, launch

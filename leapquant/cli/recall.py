@@ -190,7 +190,7 @@ def merge_recall(reports: list[dict]) -> dict:
     first = reports[0]
     merged = {**first, "methods": {}, "distances": [], "seconds": {}, "values": {}}
     cut_short = set()
-    text_tokens: dict[int, int] = {}  # the filler text each distance's prompts were cut from
+    text_tokens: dict[int, int | None] = {}  # the filler text each distance's prompts were cut from
     for r in reports:
         if not r["complete"]:
             cut_short |= set(r["methods"])
@@ -199,19 +199,25 @@ def merge_recall(reports: list[dict]) -> dict:
                 raise LeapQuantError(f"merge: reports differ in {key!r} ({r[key]!r} vs {first[key]!r})")
         source, tokens = r.get("text", {}).get("source"), r.get("text", {}).get("tokens")
         first_source = first.get("text", {}).get("source")
-        if source != first_source:
+        if None not in (source, first_source) and source != first_source:  # None: made before it was kept
             raise LeapQuantError(f"merge: reports differ in filler text ({source!r} vs {first_source!r})")
         for d in r["distances"]:
-            if isinstance(tokens, dict):  # a merged report: each distance's own
-                tokens = tokens[str(d)]
             # an example's offset is drawn over the whole text, whose length follows the run's longest
-            # distance: two runs of one distance with other longest distances asked other prompts
-            if text_tokens.setdefault(d, tokens) != tokens:
+            # distance: two runs of one distance with other longest distances asked other prompts.  A merged
+            # report keeps each distance's length; one merged before it did (a single count) says nothing.
+            if isinstance(tokens, dict):
+                here = tokens.get(str(d))
+            else:
+                here = None if "merged_from" in r else tokens
+            seen = text_tokens.get(d)
+            if None not in (here, seen) and here != seen:
                 raise LeapQuantError(
-                    f"merge: distance {d} was asked on {text_tokens[d]} and on {tokens} tokens of text (runs "
+                    f"merge: distance {d} was asked on {seen} and on {here} tokens of text (runs "
                     "with other longest distances draw other prompts): merge runs that split by method with "
                     "the same distances, or by distance"
                 )
+            if seen is None:
+                text_tokens[d] = here
         merged["distances"] = sorted(set(merged["distances"]) | set(r["distances"]))
         merged["seconds"].update(r["seconds"])
         merged["values"].update(r.get("values", {}))
@@ -241,8 +247,9 @@ def merge_recall(reports: list[dict]) -> dict:
         missing = [d for d in merged["distances"] if str(d) not in row.get("accuracy", {})]
         if missing and name not in cut_short:
             raise LeapQuantError(f"merge: method {name!r} has no result at distances {missing}")
-    if len(set(text_tokens.values())) > 1:
-        merged["text"] = {**first["text"], "tokens": {str(d): n for d, n in sorted(text_tokens.items())}}
+    # per distance (None: not known), so that a merge of this report can check it again
+    by_distance = {str(d): n for d, n in sorted(text_tokens.items())}
+    merged["text"] = {**first.get("text", {}), "tokens": by_distance}
     merged["complete"] = all(r["complete"] for r in reports)
     merged["merged_from"] = len(reports)
     # each run's own wall time per distance (``seconds`` above is only the last run's, per distance) and

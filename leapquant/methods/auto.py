@@ -102,7 +102,13 @@ POLICIES = dict(zip(POLICY_NAMES, (AutoPolicy(),), strict=True))
 
 
 def head_bytes(cfg: MethodConfig, d_k: int, d_v: int, decay_values: int) -> int:
-    """Live bytes of one head: boundary state plus record buffer (the planner's count)."""
+    """Live bytes of one head: boundary state plus record buffer (the planner's count: a kernel pool's
+    tensors where one runs ``cfg``, so int6 codes a byte each, as int8's)."""
+    from ..ops.pool import PoolConfig, pool_unsupported
+
+    if cfg.window > 1 and pool_unsupported(cfg) is None:
+        decay = "scalar" if decay_values == 1 else "vector"
+        return PoolConfig(cfg, heads=1, d_k=d_k, d_v=d_v, decay=decay).bytes_per_slot()
     return math.ceil(cfg.bytes_per_element(d_k, d_v) * d_k * d_v) + cfg.record_buffer_bytes(
         d_k, d_v, decay_values
     )

@@ -250,8 +250,11 @@ class MemoryPlan:
     """Bytes per request and requests that fit for one model, method and context (all sizes in bytes).
 
     ``state_bytes`` is the live recurrent state of one request over all linear layers (records included),
-    ``state_breakdown`` splits it by tensor; ``checkpoint_bytes`` is one prefix-cache checkpoint (recurrent
-    boundary state + conv state, all linear layers) and ``checkpoints`` how many a request holds.
+    ``state_breakdown`` splits it by tensor; ``checkpoint_bytes`` is one prefix-cache checkpoint (the
+    recurrent state as the plan's ``checkpoint`` counts it, whole slot or boundary state, + conv state, all
+    linear layers) and ``checkpoints`` how many a request holds.  ``bytes_per_element`` is the method's
+    nominal boundary bytes per element (int6 at 6 bits, though its pool stores a byte a code: the byte
+    counts are the pool's).
     """
 
     model: str
