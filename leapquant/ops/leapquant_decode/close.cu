@@ -5,7 +5,8 @@
 //   LQ_P window, LQ_R compensator tokens (0..8), LQ_ITERS power iterations, LQ_RESIDUAL 2 (int8 bytes:
 //   int8, int6), 3 (fp8 e4m3) or 4 (packed int4), LQ_SMOOTH, LQ_VECTOR_DECAY (KDA), LQ_REC16 (fp16 records),
 //   LQ_LS (least-squares channel scales, +ls: integer residuals), LQ_PREFETCH (stage the next head's inputs in
-//   shared memory while this one closes: close_cuda.prefetches decides, from the shared memory of an SM).
+//   shared memory while this one closes: close_cuda.prefetches decides, from the shared memory of an SM),
+//   LQ_DROP (the fraction of its norm under which a fit column is dropped as rounding noise).
 //
 // One 256-thread block per closing head holds the whole state S [V, K] = [128, 128] in registers, 8 x 8 per
 // thread, rebuilt once from the pool (close.py rebuilds it at every pass because its tiles cannot stay in
@@ -21,7 +22,7 @@
 // memory; without it each head loads its own at the start.
 
 #if !defined(LQ_P) || !defined(LQ_R) || !defined(LQ_ITERS) || !defined(LQ_RESIDUAL) || !defined(LQ_SMOOTH) || \
-    !defined(LQ_VECTOR_DECAY) || !defined(LQ_REC16) || !defined(LQ_LS) || !defined(LQ_PREFETCH)
+    !defined(LQ_VECTOR_DECAY) || !defined(LQ_REC16) || !defined(LQ_LS) || !defined(LQ_PREFETCH) || !defined(LQ_DROP)
 #error "close.cu is built by close_cuda.py, which defines LQ_P, LQ_R, LQ_ITERS, LQ_RESIDUAL, LQ_SMOOTH, ..."
 #endif
 #define K 128
@@ -490,10 +491,16 @@ extern "C" __global__ void __launch_bounds__(NT, 2) leapquant_close(
             // time loop (the same bits), but the dependent chain is 2R - 1 warp sums instead of R(R + 1) / 2.
 #if !(LQ_ABLATE & 8)
             {
-                float c[4];
-                if (warp < R)
+                // a column left with under LQ_DROP of its norm once the earlier ones are taken out is
+                // rounding noise (methods.compensators.DROP_FRACTION) and becomes zero
+                float c[4], before = 0.0f;
+                if (warp < R) {
                     #pragma unroll
                     for (int t = 0; t < 4; ++t) c[t] = sm[SM_Q + warp * K + lane + 32 * t];
+                    #pragma unroll
+                    for (int t = 0; t < 4; ++t) before += c[t] * c[t];
+                    before = __fsqrt_rn(warp_sum(before));
+                }
                 #pragma unroll
                 for (int p = 0; p < R; ++p) {
                     if (warp == p) {
@@ -501,10 +508,10 @@ extern "C" __global__ void __launch_bounds__(NT, 2) leapquant_close(
                         #pragma unroll
                         for (int t = 0; t < 4; ++t) n2 += c[t] * c[t];
                         const float norm = __fsqrt_rn(warp_sum(n2));
+                        const bool keep = norm > 1e-30f && norm > (float)(LQ_DROP) * before;
                         #pragma unroll
                         for (int t = 0; t < 4; ++t)
-                            sm[SM_Q + p * K + lane + 32 * t] =
-                                norm > 1e-30f ? __fdiv_rn(c[t], fmaxf(norm, 1e-30f)) : 0.0f;
+                            sm[SM_Q + p * K + lane + 32 * t] = keep ? __fdiv_rn(c[t], fmaxf(norm, 1e-30f)) : 0.0f;
                     }
                     if (p + 1 < R) {
                         __syncthreads();  // q_p is written; every thread meets this barrier

@@ -19,6 +19,7 @@ import torch
 
 from ...errors import LeapQuantError
 from ...formats.residual import CUDA_CLOSE_RESIDUALS
+from ...methods.compensators import DROP_FRACTION
 from ..pool import SHIFT_ORDER, LeapQuantPool, PoolConfig
 
 __all__ = [
@@ -85,6 +86,7 @@ def compile_options(cfg: PoolConfig, *, prefetch: bool = False) -> list[str]:
         "LQ_REC16": int(cfg.records == "fp16"),
         "LQ_LS": int(cfg.method.least_squares_scales),
         "LQ_PREFETCH": int(prefetch),
+        "LQ_DROP": repr(DROP_FRACTION),
     }
     # -lineinfo: line tables only (the code is the same), so that a profiler names close.cu's lines
     return ["-std=c++17", "-lineinfo", *(f"-D{k}={v}" for k, v in defines.items())]
