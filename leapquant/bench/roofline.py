@@ -237,9 +237,11 @@ def _elementwise(spec: ModelSpec, kind: str, mlp: str, i: int, b: int, moe: str,
         ew += 22 * d + 8 * e + 28 * k + 26 * k * d + 10 * spec.shared_experts * inter
         if moe == "grouped":
             ew += 10 * k * inter  # silu(a) * u over the B k rows
-        else:  # zero-filled [E cap + 1, d] buffer, scatter, silu * u over E cap rows, cat, gather, mask
+        else:
+            # a capacity row: its zero fill (2d), the cat with a zero row (4d), silu * u (10 inter); a routed
+            # pair: the scatter into the buffer, the gather back and the keep mask, 4d each
             out.append(Kernel(f"layer {i} padded MoE buffers", "elementwise",
-                              e * cap * (6 * d + 10 * inter) + b * k * 14 * d))  # fmt: skip
+                              e * cap * (6 * d + 10 * inter) + b * k * 12 * d))  # fmt: skip
     out.append(Kernel(f"layer {i} elementwise", "elementwise", b * ew))
     return out
 
