@@ -67,9 +67,13 @@ def state_bytes_per_step(variant: Variant, case: KernelCase) -> float:
     decays = case.d_k if cfg.decay == "vector" else 1
     record = cfg.record_dtype.itemsize * (case.d_k + case.d_v) + cfg.decay_dtype.itemsize * decays
     p = cfg.window
-    per_head = boundary + (p - 1) / 2 * record + record + 4  # read boundary and records, write one record
+    # read boundary, records and position, write one record
+    per_head = boundary + (p - 1) / 2 * record + record + 4
     if not variant.step_only:
-        per_head += 8 + (boundary + p * record + boundary) / p  # positions; window close amortized
+        # the window close amortized over its P steps: boundary and records read, boundary written; the
+        # position advanced in P - 1 steps of P, and at the close the list entry written and read and the
+        # position reset (4 B each)
+        per_head += (boundary + p * record + boundary) / p + 4 * (p - 1) / p + 12 / p
     return heads * per_head
 
 
