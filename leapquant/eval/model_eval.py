@@ -108,16 +108,6 @@ class EvalConfig:
         return self._configs[name]
 
 
-def _bytes_per_element(cfg, layers: list[int]) -> float:
-    """Boundary bytes per element of 128 x 128 heads, a layer plan's averaged over the model's linear layers
-    ``layers`` (its default's included)."""
-    from ..methods import LayerPlan
-
-    if isinstance(cfg, LayerPlan):
-        return cfg.bytes_per_element(128, 128, layers)
-    return cfg.bytes_per_element(128, 128)
-
-
 def stdlib_text(min_bytes: int) -> tuple[str, list[str]]:
     """At least ``min_bytes`` of standard-library Python source (tests and site-packages excluded).
 
@@ -219,6 +209,7 @@ def evaluate_model(
     import torch
 
     from ..integrations import patch, unpatch
+    from ..methods import as_layer_methods
     from . import resume
 
     if time_limit is not None and checkpoint is None:
@@ -275,7 +266,8 @@ def evaluate_model(
                 "nll": float(nll[i] / n),
                 "state_rel_err": (num / den) ** 0.5,
                 "state_rel_err_by_layer": {str(layer): curves[layer][-1][i] for layer in curves},
-                "bytes_per_element": _bytes_per_element(cfg, list(states)),
+                # a layer plan's averaged over the model's linear layers, its default's included
+                "bytes_per_element": as_layer_methods(cfg).bytes_per_element(128, 128, list(states)),
                 "window": cfg.window,
             }
             if name in generated:

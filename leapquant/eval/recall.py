@@ -222,8 +222,8 @@ def evaluate_recall(
     """
 
     from ..integrations import linear_attention_layers, unpatch
-    from ..methods import LayerPlan
-    from .model_eval import _bytes_per_element, stdlib_text
+    from ..methods import LayerPlan, as_layer_methods
+    from .model_eval import stdlib_text
 
     rows = ("fp32", *config.methods)
     linear = [i for i, _ in linear_attention_layers(model)]
@@ -253,7 +253,9 @@ def evaluate_recall(
         "text": {"source": text_source, "files": files[:50], "tokens": len(ids)},
         "methods": {
             m: {
-                "bytes_per_element": _bytes_per_element(config.config_of(m), linear),
+                "bytes_per_element": as_layer_methods(config.config_of(m)).bytes_per_element(
+                    128, 128, linear
+                ),
                 "window": config.config_of(m).window,
                 **({"plan": config.config_of(m).name} if isinstance(config.config_of(m), LayerPlan) else {}),
             }

@@ -386,20 +386,15 @@ def make_state(
     kernels cannot tile (sizes that are not powers of two) on the reference, and ``"triton"`` refuses them
     here rather than at the first load.
     """
-    from ..ops.checks import check_kernel_head_dims
+    from ..ops.checks import untileable_head_dims
 
     if config.name == "fp32":
         return NativeState(recurrent_fn)
-    tileable = True
-    if head_dims is not None:
-        try:
-            check_kernel_head_dims(*head_dims)
-        except LeapQuantError as exc:
-            if backend == "triton":
-                raise LeapQuantError(f"backend 'triton': {exc}") from None
-            tileable = False
+    untileable = None if head_dims is None else untileable_head_dims(*head_dims)
+    if untileable is not None and backend == "triton":
+        raise LeapQuantError(f"backend 'triton': {untileable}")
     if backend == "auto":
-        if device.type == "cuda" and tileable and KernelState.unsupported(config) is None:
+        if device.type == "cuda" and untileable is None and KernelState.unsupported(config) is None:
             return KernelState(config, decay, graphs=graphs)
         if config.window == 1 and not config.compensators:
             return DequantizedState(config, recurrent_fn, graphs=graphs)

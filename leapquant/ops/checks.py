@@ -16,6 +16,7 @@ __all__ = [
     "check_step_inputs",
     "check_token",
     "pow2",
+    "untileable_head_dims",
     "use_triton",
 ]
 
@@ -117,10 +118,19 @@ def check_step_inputs(
             raise LeapQuantError("dt_bias was given without A_log: the gate is activated only with A_log")
 
 
-def check_kernel_head_dims(d_k: int, d_v: int) -> None:
-    """The Triton kernels tile whole heads with ``tl.arange``, which needs powers of two."""
+def untileable_head_dims(d_k: int, d_v: int) -> str | None:
+    """Why the Triton kernels cannot tile heads of ``d_k x d_v`` (``None``: they can): they tile whole
+    heads with ``tl.arange``, which needs powers of two."""
     for name, d in (("d_k", d_k), ("d_v", d_v)):
         if d != pow2(d):
-            raise LeapQuantError(
+            return (
                 f"{name}={d} is not a power of two, which the Triton kernels need (use backend='reference')"
             )
+    return None
+
+
+def check_kernel_head_dims(d_k: int, d_v: int) -> None:
+    """:func:`untileable_head_dims` as an error."""
+    why = untileable_head_dims(d_k, d_v)
+    if why is not None:
+        raise LeapQuantError(why)
