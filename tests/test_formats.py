@@ -31,7 +31,7 @@ SHAPE_IDS = ("1x3", "33x5", "2x100x7", "2x3x64x16")
 
 def bits(t: torch.Tensor) -> torch.Tensor:
     """Bit pattern view, so signed zeros and every last ulp count."""
-    return t.view(torch.int64 if t.dtype == F64 else torch.int32)
+    return t.view({8: torch.int64, 4: torch.int32, 2: torch.int16}[t.element_size()])
 
 
 def state(shape, dtype, seed=0, binades=0):
@@ -252,6 +252,22 @@ def test_fake_quantize_is_bit_exact(name, dtype):
             y = f.dequantize(q, dtype)
             assert y.dtype == dtype and y.shape == x.shape
             assert torch.equal(bits(f.fake_quantize(x, generator=g2)), bits(y)), (shape, sr)
+
+
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=("f16", "bf16"))
+@pytest.mark.parametrize("name", format_names())
+def test_dequantize_to_a_narrow_dtype_rounds_only_the_values(name, dtype):
+    """Scales are decoded in float32 and the result cast once: built in float16, a block scale of 2^-30
+    flushed to zero and small blocks came back as 0 although their values fit float16."""
+    x = torch.zeros(64, 4)  # column 3 stays zero
+    x[:, 0] = 1e-5 * torch.linspace(-1, 1, 64)
+    x[:, 1] = 3e-3 * torch.linspace(-1, 1, 64)
+    x[:, 2] = 40.0 * torch.linspace(-1, 1, 64)
+    f = get_format(name)
+    q = f.quantize(x)
+    assert torch.equal(bits(f.dequantize(q, dtype)), bits(f.dequantize(q, F32).to(dtype)))
+    with pytest.raises(LeapQuantError, match="floating-point dtype"):
+        f.dequantize(q, torch.int32)
 
 
 @pytest.mark.parametrize("name", format_names())

@@ -61,9 +61,21 @@ class StateFormat(ABC):
     def quantize(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> QuantizedState:
         """Quantize a float32/float64 state ``[..., d_k, d_v]``."""
 
-    @abstractmethod
     def dequantize(self, q: QuantizedState, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Inverse of :meth:`quantize`, returning ``dtype``."""
+        """Inverse of :meth:`quantize`, returning ``dtype`` (any floating-point dtype).
+
+        Codes and scales are decoded in float64 for a float64 result and in float32 otherwise, then cast:
+        a scale of 2^-30 is exact in float32 but zero in float16, so a narrow ``dtype`` rounds only the
+        values, once.
+        """
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise LeapQuantError(f"{self.name}: dequantize needs a floating-point dtype, got {dtype}")
+        work = torch.float64 if dtype == torch.float64 else torch.float32
+        return self._dequantize(q, work).to(dtype)
+
+    @abstractmethod
+    def _dequantize(self, q: QuantizedState, dtype: torch.dtype) -> torch.Tensor:
+        """:meth:`dequantize` in ``dtype``, float32 or float64."""
 
     @abstractmethod
     def bits_per_element(self, d_k: int, d_v: int) -> float:

@@ -107,7 +107,7 @@ class MXFormat(StateFormat):
         parts = {"codes": self.element.encode(v), "scale": (exp + E8M0_BIAS).to(torch.uint8)}
         return QuantizedState(self.name, x.shape, parts)
 
-    def dequantize(self, q: QuantizedState, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def _dequantize(self, q: QuantizedState, dtype: torch.dtype) -> torch.Tensor:
         check_parts(self, q, ("codes", "scale"))
         exp = q["scale"].to(torch.int64) - E8M0_BIAS
         scale = expand_blocks(pow2(exp, dtype).unsqueeze(-2), MX_BLOCK, q.shape[-2])

@@ -97,7 +97,7 @@ class NVFPFormat(StateFormat):
         }
         return QuantizedState(self.name, x.shape, parts)
 
-    def dequantize(self, q: QuantizedState, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def _dequantize(self, q: QuantizedState, dtype: torch.dtype) -> torch.Tensor:
         check_parts(self, q, ("codes", "block_scale", "tensor_scale"))
         s = self._scale(q["tensor_scale"].to(dtype), q["block_scale"].to(dtype), q.shape[-2])
         return self.element.decode(q["codes"], dtype) * s

@@ -101,7 +101,7 @@ class FullPrecision(StateFormat):
         check_state(self, x)
         return QuantizedState(self.name, x.shape, {"values": x.clone()})
 
-    def dequantize(self, q: QuantizedState, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def _dequantize(self, q: QuantizedState, dtype: torch.dtype) -> torch.Tensor:
         check_parts(self, q, ("values",))
         return q["values"].to(dtype)
 
@@ -144,7 +144,7 @@ class CastFormat(StateFormat):
         v = self.fake_quantize(x, generator=generator)
         return QuantizedState(self.name, x.shape, {"values": v.to(CAST_DTYPES[self.element.spec])})
 
-    def dequantize(self, q: QuantizedState, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def _dequantize(self, q: QuantizedState, dtype: torch.dtype) -> torch.Tensor:
         check_parts(self, q, ("values",))
         return q["values"].to(dtype)
 
@@ -230,7 +230,7 @@ class ScaledFormat(StateFormat):
         parts = {"codes": self.element.encode(v), "scale": stored.to(torch.float32)}
         return QuantizedState(self.name, x.shape, parts)
 
-    def dequantize(self, q: QuantizedState, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def _dequantize(self, q: QuantizedState, dtype: torch.dtype) -> torch.Tensor:
         check_parts(self, q, ("codes", "scale"))
         s = q["scale"].to(dtype)
         if not isinstance(self.granularity, str):

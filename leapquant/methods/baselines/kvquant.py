@@ -180,7 +180,7 @@ class KVQuant(StateFormat):
         parts = {"codes": codes, "scale": scale, "outlier_values": values, "outlier_index": stored_idx}
         return QuantizedState(self.name, x.shape, parts)
 
-    def dequantize(self, q: QuantizedState, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def _dequantize(self, q: QuantizedState, dtype: torch.dtype) -> torch.Tensor:
         check_parts(self, q)
         idx = q["outlier_index"].long()
         if q["outlier_index"].dtype == torch.int16:

@@ -178,7 +178,7 @@ class QuaRot(StateFormat):
         codes = IntElement(self.bits).encode(grid)
         return QuantizedState(self.name, x.shape, {"codes": codes, "scale": scale})
 
-    def dequantize(self, q: QuantizedState, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def _dequantize(self, q: QuantizedState, dtype: torch.dtype) -> torch.Tensor:
         check_parts(self, q)
         grid = IntElement(self.bits).decode(q["codes"], dtype)
         return self._unrotate(grid, q["scale"], dtype)

@@ -187,7 +187,7 @@ class TurboQuant(StateFormat):
         codes, norm = self._encode(x)
         return QuantizedState(self.name, x.shape, {"codes": codes.to(torch.uint8), "norm": norm})
 
-    def dequantize(self, q: QuantizedState, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def _dequantize(self, q: QuantizedState, dtype: torch.dtype) -> torch.Tensor:
         check_parts(self, q)
         return self._decode(q["codes"], q["norm"], dtype)
 
