@@ -465,3 +465,34 @@ def test_planned_state_is_what_the_pool_allocates(key, method):
     plan = plan_memory(shape, method, context=2048, gpu_memory_gib=141, prefix_interval=1024)
     assert plan.state_bytes == shape.linear_layers * per_layer
     assert plan.checkpoint_bytes == plan.state_bytes + plan.conv_bytes
+
+
+@pytest.mark.parametrize(
+    "method, d_k, d_v",
+    [
+        ("int8/w16+ct3+smooth", 96, 96),  # 11136.000000000002 B through bytes-per-element floats
+        ("int8/w16+ct4+smooth", 96, 96),
+        ("fp8-e4m3/w16+ct2", 96, 128),
+        ("int4/w16+ct4+smooth", 160, 128),
+        ("int4/w16+ct4+smooth", 192, 192),
+        ("int8", 104, 128),
+        ("mxfp4/w16+ct2", 100, 7),  # no kernel: the planner's byte count
+    ],
+    ids=lambda x: str(x),
+)
+def test_boundary_bytes_are_whole_bits_for_heads_that_are_not_powers_of_two(method, d_k, d_v):
+    """The planner counts a head's boundary in exact bits: a float ulp of bytes-per-element used to round up
+    to a byte the pool never allocates, and the planner's own check raised on a valid method."""
+    import dataclasses
+
+    from leapquant.methods import parse_method
+    from leapquant.plan.memory import state_layout
+
+    cfg = parse_method(method)
+    fmt_bits = cfg.format.bits_per_element(d_k, d_v) * d_k * d_v
+    assert abs(fmt_bits - round(fmt_bits)) < 1e-6
+    comp = cfg.compensators * (d_k + d_v) * 16 + (32 * d_k if cfg.smoothing else 0)
+    assert cfg.boundary_bytes(d_k, d_v) == -(-(round(fmt_bits) + comp) // 8)
+    shape = dataclasses.replace(load_shape("qwen3.5-9b"), d_k=d_k, d_v=d_v)
+    state_layout(shape, cfg, 3)  # raised "state layout holds ... B, MethodConfig counts ... B"
+    plan_memory(shape, cfg, context=4096, gpu_memory_gib=80)

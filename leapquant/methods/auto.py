@@ -33,7 +33,6 @@ short trace underestimates ``G`` (on GDN layer 6, 2K calibration tokens predict 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -109,9 +108,7 @@ def head_bytes(cfg: MethodConfig, d_k: int, d_v: int, decay_values: int) -> int:
     if cfg.window > 1 and pool_unsupported(cfg) is None:
         decay = "scalar" if decay_values == 1 else "vector"
         return PoolConfig(cfg, heads=1, d_k=d_k, d_v=d_v, decay=decay).bytes_per_slot()
-    return math.ceil(cfg.bytes_per_element(d_k, d_v) * d_k * d_v) + cfg.record_buffer_bytes(
-        d_k, d_v, decay_values
-    )
+    return cfg.boundary_bytes(d_k, d_v) + cfg.record_buffer_bytes(d_k, d_v, decay_values)
 
 
 def boundary_errors(

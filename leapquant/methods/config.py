@@ -105,11 +105,15 @@ class MethodConfig:
 
     Attributes:
         codec: state format or adapted baseline name for the (residual) state.
-        window: records per window ``p``; 1 quantizes after every record (per-step).
+        window: records per window ``p``; 1 quantizes after every record (per-step).  One record is one
+            token for GDN, KDA and most families; RWKV-7 writes 2 a token and DeltaProduct ``n``, so their
+            windows span ``p / 2`` and ``p / n`` tokens (and may close between a token's records).
         compensators: number ``r`` of compensator tokens (0: none).
         fit: ``"power"`` (power iteration warm-started from the previous window) or ``"svd"``.
         power_iters: power iterations at each window boundary.
-        cold_iters: power iterations when a state is first loaded (prefill hand-off) or has no warm start.
+        cold_iters: power iterations when a state is loaded (prefill hand-off).  At a window boundary a
+            column whose warm start is zero (a sequence decoded from a zero state) restarts from the fixed
+            start vectors with ``power_iters``, as the kernels do; the next windows go on iterating.
         smoothing: residual smoothing of key rows (eq. 7).
         least_squares_scales: refit each value channel's scale to its codes at every boundary (``+ls``).
         record_precision: ``"fp16"``, ``"bf16"`` or ``"fp32"`` for buffered keys and corrections
@@ -150,7 +154,10 @@ class MethodConfig:
                 f"method {self.codec}: compensator precision must be fp16 or fp32, "
                 f"got {self.compensator_precision!r}"
             )
-        self.format  # noqa: B018 -- resolve the codec now so an unknown name fails at construction
+        # resolve the codec now, so that an unknown name fails at construction, and keep its canonical
+        # spelling: "INT8" or "int8-col" is int8, and a pool or a table keyed by name must see one name
+        if self.format.name != self.codec:
+            object.__setattr__(self, "codec", self.format.name)
         if self.least_squares_scales:
             from .scale_fit import check_scale_fit
 
@@ -199,6 +206,12 @@ class MethodConfig:
         comp_bytes = 2 if self.compensator_precision == "fp16" else 4
         total += self.compensators * (d_k + d_v) * comp_bytes / elements
         return total
+
+    def boundary_bytes(self, d_k: int, d_v: int) -> int:
+        """Stored bytes of one head's boundary (``bytes_per_element * d_k * d_v``, whole bytes): counted in
+        bits, which are whole for every format, so that a float ulp never adds a byte."""
+        bits = round(self.bytes_per_element(d_k, d_v) * 8 * d_k * d_v)
+        return -(-bits // 8)
 
     def record_buffer_bytes(self, d_k: int, d_v: int, decay_values: int | None = None) -> int:
         """Bytes of one head's record buffer: p records of key and correction at the record precision and

@@ -132,9 +132,9 @@ def state_layout(
             specs.append(("scale", (slots, hv, v), "float32"))
         kind = "per-step"
     else:
-        boundary = cfg.bytes_per_element(k, v) * k * v
+        boundary = cfg.boundary_bytes(k, v)
         records = cfg.record_buffer_bytes(k, v, 1 if shape.decay == "scalar" else k)
-        specs = [("payload", (slots, hv, math.ceil(boundary)), "uint8")]
+        specs = [("payload", (slots, hv, boundary), "uint8")]
         if records:
             specs.append(("records", (slots, hv, records), "uint8"))
         kind = "bytes"
@@ -149,7 +149,7 @@ def _check_accounting(shape, method, cfg, specs, slots, pool) -> None:
     got = sum(math.prod(s) * DTYPE_BYTES[d] for _, s, d in specs)
     counts = {"MethodConfig": None, "the pool": None}
     if pool is None or pool.packed:
-        expected = math.ceil(cfg.bytes_per_element(k, v) * k * v)
+        expected = cfg.boundary_bytes(k, v)
         expected += cfg.record_buffer_bytes(k, v, 1 if shape.decay == "scalar" else k)
         counts["MethodConfig"] = expected * hv * slots
     if pool is not None:
