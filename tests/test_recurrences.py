@@ -391,6 +391,23 @@ def _bad_calls():
         ("gdn_gates_bias", lambda: gdn_gates(r(7, 4), r(7, 4), r(4), r(3)), "dt_bias"),
         ("kda_gates_bias", lambda: kda_gates(r(7, 4, 5), r(4), r(4), r(7, 4)), "dt_bias"),
         ("unknown_family", lambda: values_per_record("mamba3", 128, 128), "unknown recurrence family"),
+        # accepted before: log decays or A > 0 grow the state by up to e^(dt A) a step with no error
+        (
+            "retnet_log_gamma",
+            lambda: retnet_records(good["q"], good["k"], r(2, 7, 2, 3), torch.full((2,), -0.03)),
+            "decays in [0, 1]",
+        ),
+        (
+            "mamba2_positive_A",
+            lambda: mamba2_records(r(2, 7, 2, 4), r(2, 7, 2), torch.ones(2), r(2, 7, 2, 5), r(2, 7, 2, 5)),
+            "A must be <= 0",
+        ),
+        # a [d_k, d_v] state broadcast over every stream
+        (
+            "exact_recurrence_state",
+            lambda: exact_recurrence(gated_deltanet_records(**good), r(5, 3)),
+            "initial_state has shape (5, 3), expected (2, 4, 5, 3)",
+        ),
     ]
 
 
@@ -428,3 +445,35 @@ def test_registry_covers_every_family() -> None:
 )
 def test_values_per_record(family: str, expected: int) -> None:
     assert values_per_record(family, 128, 64) == expected
+
+
+def _windowed(case: Case, method: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``replay`` through a :class:`WindowedState` of ``method``: every read from boundary plus records."""
+    from leapquant.methods import WindowedState, parse_method
+
+    rec = case.records
+    B, HV = rec.batch_shape
+    flat = [x.reshape(B * HV, rec.steps, -1) for x in (rec.a, rec.k, rec.b, rec.v, rec.q)]
+    state = WindowedState(parse_method(method), B * HV, rec.d_k, rec.d_v)
+    if case.init is not None:
+        state.load(case.init.reshape(B * HV, rec.d_k, rec.d_v))
+    outs = [state.step(*(x[:, t] for x in flat), readout=rec.readout) for t in range(rec.steps)]
+    out = torch.stack(outs, 1).reshape(B, HV, rec.steps, rec.d_v)
+    if rec.emit is not None:
+        out = out[..., rec.emit, :]
+    out = out.transpose(1, 2)
+    if case.extra is not None:
+        out = out + case.extra
+    return out, state.materialize().reshape(B, HV, rec.d_k, rec.d_v)
+
+
+@pytest.mark.parametrize("method", ["fp32/w3", "fp32/w4+ct2+smooth", "fp32/w2+ct3+svd", "fp32+ct1+smooth"])
+@pytest.mark.parametrize(("family", "dim_id", "with_state"), list(_family_params()))
+def test_every_family_through_the_window_matches_native(family, dim_id, with_state, method) -> None:
+    """Each family's own records (RWKV-7's erase records, DeltaProduct's silent sub-steps, RWKV6's read
+    before the update) read from a boundary plus a window of records, over several windows (a window may
+    close between one token's records): with lossless storage, the native recurrence exactly."""
+    case = build(family, DIMS[dim_id], with_state, seed=1)
+    out, state = _windowed(case, method)
+    assert_rel_close(out, case.out, f"{family} outputs under {method}")
+    assert_rel_close(state, case.state, f"{family} final state under {method}")

@@ -64,8 +64,8 @@ def fit_compensators(
     Args:
         method: ``"power"`` (subspace iteration) or ``"svd"`` (exact truncated SVD, for reference).
         warm: ``[..., d_v, rank]`` value vectors of the previous tokens, or ``None``.
-        iters: iterations from a warm start (columns of ``warm`` that are zero restart from
-            :func:`start_vectors`).
+        iters: iterations from a warm start; columns of ``warm`` that are zero restart from
+            :func:`start_vectors` with these ``iters`` too (the kernels' rule: one iteration count a head).
         cold_iters: iterations without a warm start (``warm=None``: a state loaded from prefill).
 
     Returns:

@@ -11,8 +11,9 @@ import torch
 
 __all__ = ["SMOOTHING_FLOOR", "smoothing_scales"]
 
-# Rows whose mean magnitude is below FLOOR**2 are left unscaled rather than blown up: they carry no
-# information a quantizer could lose, and a zero row must not divide by zero.
+# Scales never go below FLOOR, so a zero row does not divide by zero: a row whose mean magnitude is under
+# FLOOR**2 is divided by FLOOR (the scale is continuous at the threshold and such rows carry nothing a
+# quantizer could lose).
 SMOOTHING_FLOOR = 1e-6
 
 

@@ -40,6 +40,24 @@ def _rounder(precision: str):
     return fmt.fake_quantize
 
 
+# |U| up to 2^15 stays as fitted, so states of ordinary size keep exactly the paper's tokens.
+_FP16_HEADROOM_EXP = 14
+
+
+def balance_for_fp16(k: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens ``K [..., d_k, r]``, ``U [..., d_v, r]`` with a power of two moved from each ``U`` column to
+    its ``K`` column where ``U`` would pass fp16's 65504: ``U = S^T K`` grows with the state (linear attention
+    without decay grows with the context), and saturated tokens stop taking the outliers out of the residual.
+    ``K`` has unit columns, so the pair fits while ``|U| < 2^30``; the product ``K U^T`` is unchanged (powers
+    of two scale exactly).  The kernels' families (GDN, KDA) keep unit keys: their states stay bounded."""
+    amax = u.abs().amax(dim=-2, keepdim=True)
+    shift = (torch.floor(torch.log2(amax.clamp_min(1.0))) - _FP16_HEADROOM_EXP).clamp_min(0)
+    if not bool((shift > 0).any()):
+        return k, u
+    scale = torch.pow(torch.full_like(shift, 2.0), shift)
+    return k * scale, u / scale
+
+
 class WindowedState:
     """The quantized state of ``batch`` heads of shape ``[d_k, d_v]`` under one method.
 
@@ -110,6 +128,8 @@ class WindowedState:
                 iters=cfg.power_iters,
                 cold_iters=cfg.cold_iters,
             )
+            if cfg.compensator_precision == "fp16":
+                k, u = balance_for_fp16(k, u)
             self.comp_k, self.comp_u = self._round_comp(k), self._round_comp(u)
             residual = state - self.comp_k @ self.comp_u.transpose(-1, -2)
         if cfg.smoothing:
@@ -200,6 +220,21 @@ class WindowedState:
         return state
 
     # -- the step -----------------------------------------------------------------------------------
+    def _check_step(self, a, k, b, v, q, readout) -> None:
+        # Broadcasting would take a per-head scalar decay ``[batch]`` along the keys when batch == d_k (or a
+        # ``[batch]`` value along the values): a wrong state with no error, so every shape is exact.
+        if readout not in ("post", "pre"):
+            raise LeapQuantError(f"WindowedState.step: readout must be 'post' or 'pre', got {readout!r}")
+        want = {"a": (self.batch, self.d_k), "k": (self.batch, self.d_k), "b": (self.batch, self.d_k),
+                "v": (self.batch, self.d_v), "q": (self.batch, self.d_k)}  # fmt: skip
+        for name, x in zip("akbvq", (a, k, b, v, q)):
+            if not isinstance(x, torch.Tensor) or tuple(x.shape) != want[name]:
+                got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                raise LeapQuantError(
+                    f"WindowedState.step: {name} has shape {got}, expected {want[name]} (batch, "
+                    f"{'d_v' if name == 'v' else 'd_k'}); a per-head scalar decay is expanded over d_k"
+                )
+
     def step(
         self,
         a: torch.Tensor,
@@ -215,6 +250,7 @@ class WindowedState:
         stored at the record precision before the output reads it, exactly as a kernel that writes the
         record and reads it back.
         """
+        self._check_step(a, k, b, v, q, readout)
         out = self.read(q) if readout == "pre" else None
         u = v - self.read(b)
         i = self.count

@@ -190,6 +190,8 @@ def _check_gamma(fn: str, gamma: torch.Tensor | None, like: torch.Tensor, H: int
     if gamma is None:
         return retnet_gammas(H, dtype=like.dtype, device=like.device)
     _check_shape(fn, "gamma", gamma, (H,))
+    if not ((gamma >= 0) & (gamma <= 1)).all():
+        raise LeapQuantError(f"{fn}: gamma holds decays in [0, 1] (not log decays), got {gamma.tolist()}")
     return gamma.to(like.dtype)
 
 
@@ -268,6 +270,8 @@ def _check_mamba2(
     B, T, H, P = x.shape
     _check_shape(fn, "dt", dt, (B, T, H))
     _check_shape(fn, "A", A, (H,))
+    if not (A <= 0).all():
+        raise LeapQuantError(f"{fn}: A must be <= 0 (decays exp(dt * A) <= 1; -exp(A_log)), got {A.tolist()}")
     if Bm.ndim != 4 or Bm.shape[:2] != (B, T):
         raise _shape_error(fn, "B", Bm, f"({B}, {T}, G, N)")
     G, N = Bm.shape[2], Bm.shape[3]

@@ -123,6 +123,11 @@ def exact_recurrence(
     if initial_state is None:
         state = a.new_zeros(*lead, records.d_k, records.d_v)
     else:
+        want = (*lead, records.d_k, records.d_v)
+        if tuple(initial_state.shape) != want:
+            raise LeapQuantError(
+                f"exact_recurrence: initial_state has shape {tuple(initial_state.shape)}, expected {want}"
+            )
         state = initial_state.to(a.dtype).clone()
     wanted = set(checkpoints)
     saved = {0: state.clone()} if 0 in wanted else {}
