@@ -280,3 +280,14 @@ def test_bad_inputs_raise(name):
     other = get_baseline("turboquant-4").quantize(torch.randn(4, 4))
     with pytest.raises(LeapQuantError, match=r"^[^\n]+$"):
         fmt.dequantize(other)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_nan_and_inf_never_come_back_finite(name):
+    """KVQuant's fp16 outliers clamped +Inf to 65504: a state gone non-finite must stay visibly so."""
+    fmt = get_baseline(name)
+    x = state((2, 16, 8))
+    x[0, 3, 1], x[1, 7, 4], x[1, 2, 2] = math.inf, math.nan, -math.inf
+    y = fmt.dequantize(fmt.quantize(x), torch.float64)
+    assert not y[~x.isfinite()].isfinite().any()
+    assert torch.equal(fmt.fake_quantize(x).isnan(), y.isnan())

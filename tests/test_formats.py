@@ -271,6 +271,29 @@ def test_dequantize_to_a_narrow_dtype_rounds_only_the_values(name, dtype):
 
 
 @pytest.mark.parametrize("name", format_names())
+def test_nan_and_inf_stay_visible_and_confined(name):
+    """A NaN or an Inf never comes back finite: MX blocks mapped +Inf to 0.875 and NaN to 0, and an int8
+    column holding an Inf zeroed its finite values.  Every value sharing the bad value's scale decodes to
+    NaN (an E8M0 NaN code for MX); plain casts keep Inf where the storage has it.  Columns with their own
+    scales are untouched, and fake_quantize is still the round trip."""
+    f = get_format(name)
+    x = state((2, 70, 6), F32, binades=4)
+    bad = x.clone()
+    bad[0, 3, 0], bad[0, 40, 1], bad[1, 69, 2] = math.inf, math.nan, -math.inf
+    y = f.dequantize(f.quantize(bad))
+    assert not y[~bad.isfinite()].isfinite().any()
+    fake = f.fake_quantize(bad)
+    assert torch.equal(fake.isnan(), y.isnan()) and torch.equal(fake.nan_to_num(0.5), y.nan_to_num(0.5))
+    if name in ("bf16", "fp16", "fp8-e5m2-none"):
+        assert y[0, 3, 0] == math.inf and y[1, 69, 2] == -math.inf
+    own_scales = not any(t in name for t in ("-tensor", "-row", "nvfp")) and name != "fp32"
+    if own_scales:  # the bad values' columns are their scales' only users
+        clean = f.fake_quantize(x)
+        for head, col in ((0, 3), (0, 4), (0, 5), (1, 0), (1, 1), (1, 3)):
+            assert torch.equal(bits(y[head, :, col]), bits(clean[head, :, col]))
+
+
+@pytest.mark.parametrize("name", format_names())
 def test_name_round_trips(name):
     f = get_format(name)
     assert isinstance(f, StateFormat) and f.name == name and get_format(f.name) == f

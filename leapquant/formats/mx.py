@@ -13,6 +13,8 @@ Two scale rules:
   max_elem))``, so nothing saturates, at the cost of up to one binade of resolution.
 
 Both exponents are clamped to the E8M0 range [-127, 127]; an all-zero block gets exponent -127 (code 0).
+A block holding a NaN or an Inf gets E8M0's NaN code (0xFF) and decodes to NaN: visible, and confined to
+its 32 values.
 
 Edge cases where torchao 0.18 (eager) departs from these definitions; we follow the spec / hardware:
 
@@ -49,6 +51,16 @@ MX_NAMES = {E4M3: "mxfp8", E5M2: "mxfp8-e5m2", E2M3: "mxfp6-e2m3", E3M2: "mxfp6-
 MX_RULES = ("floor", "rceil")
 
 
+_NAN_EXP = E8M0_MAX_EXP + 1  # code 0xFF
+
+
+def _block_scales(exp: torch.Tensor, dtype: torch.dtype, d_k: int) -> torch.Tensor:
+    """Per-element scales ``[..., d_k, d_v]`` of exponents ``[..., blocks, d_v]`` (NaN for code 0xFF)."""
+    scale = pow2(exp.clamp(max=E8M0_MAX_EXP), dtype)
+    scale = torch.where(exp == _NAN_EXP, torch.full_like(scale, math.nan), scale)
+    return expand_blocks(scale.unsqueeze(-2), MX_BLOCK, d_k)
+
+
 @dataclass(frozen=True)
 class MXFormat(StateFormat):
     """An OCP MX format with blocks of 32 along keys and an E8M0 shared scale.
@@ -74,7 +86,8 @@ class MXFormat(StateFormat):
         return base + "-rceil" if self.rule == "rceil" else base
 
     def shared_exponents(self, x: torch.Tensor) -> torch.Tensor:
-        """Unbiased block exponents, int64 ``[..., ceil(d_k/32), d_v]`` in [-127, 127]."""
+        """Unbiased block exponents, int64 ``[..., ceil(d_k/32), d_v]`` in [-127, 127], or 128 (the NaN
+        code) for a block holding a NaN or an Inf."""
         amax = to_blocks(x.abs(), MX_BLOCK).amax(dim=-2)
         if self.rule == "floor":
             # frexp: amax = m * 2^e with m in [0.5, 1), so floor(log2(amax)) = e - 1 exactly (subnormals too).
@@ -88,7 +101,8 @@ class MXFormat(StateFormat):
             exp = e.to(torch.int64) - (m == 0.5).to(torch.int64)  # exact ceil(log2(descale))
             zero = descale == 0  # an all-zero block, or a descale below the dtype's range
         exp = exp.clamp(E8M0_MIN_EXP, E8M0_MAX_EXP)
-        return torch.where(zero, torch.full_like(exp, E8M0_MIN_EXP), exp)
+        exp = torch.where(zero, torch.full_like(exp, E8M0_MIN_EXP), exp)
+        return torch.where(amax.isfinite(), exp, torch.full_like(exp, _NAN_EXP))
 
     def _values(
         self, x: torch.Tensor, generator: torch.Generator | None
@@ -96,7 +110,7 @@ class MXFormat(StateFormat):
         """Element grid values ``[..., d_k, d_v]`` and the per-element scale, both in ``x``'s dtype."""
         check_state(self, x)
         exp = self.shared_exponents(x)
-        scale = expand_blocks(pow2(exp, x.dtype).unsqueeze(-2), MX_BLOCK, x.shape[-2])
+        scale = _block_scales(exp, x.dtype, x.shape[-2])
         # Dividing by a power of two is exact (or, below the normal range, one correct rounding that the
         # element grid then rounds to zero anyway), so division and torchao's reciprocal multiply agree.
         v = self.element.round(x / scale, stochastic=self.stochastic, generator=generator)
@@ -110,12 +124,11 @@ class MXFormat(StateFormat):
     def _dequantize(self, q: QuantizedState, dtype: torch.dtype) -> torch.Tensor:
         check_parts(self, q, ("codes", "scale"))
         exp = q["scale"].to(torch.int64) - E8M0_BIAS
-        scale = expand_blocks(pow2(exp, dtype).unsqueeze(-2), MX_BLOCK, q.shape[-2])
-        return self.element.decode(q["codes"], dtype) * scale
+        return self.element.decode(q["codes"], dtype) * _block_scales(exp, dtype, q.shape[-2])
 
     def fake_quantize(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> torch.Tensor:
         v, exp = self._values(x, generator)
-        return v * expand_blocks(pow2(exp, x.dtype).unsqueeze(-2), MX_BLOCK, x.shape[-2])
+        return v * _block_scales(exp, x.dtype, x.shape[-2])
 
     def bits_per_element(self, d_k: int, d_v: int) -> float:
         # One 8-bit scale per (block, value column); a padded last block still stores a full scale.

@@ -123,6 +123,7 @@ class CastFormat(StateFormat):
 
     Rounding is correctly rounded RNE (or stochastic) from the input dtype, saturating at the largest
     finite value instead of producing inf (torch's float64->half cast rounds twice; this one does not).
+    A NaN or an Inf in the input stays one: Inf where the storage type has it, NaN in ``fp8-e4m3-none``.
     Part ``values``: the state in the matching torch dtype (bfloat16, float16, float8_e4m3fn, float8_e5m2).
     """
 
@@ -151,7 +152,12 @@ class CastFormat(StateFormat):
     def fake_quantize(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> torch.Tensor:
         check_state(self, x)
         # Values on the grid cast to the storage dtype and back exactly, so this equals the round trip.
-        return self.element.round(x, stochastic=self.stochastic, generator=generator)
+        v = self.element.round(x, stochastic=self.stochastic, generator=generator)
+        if CAST_DTYPES[self.element.spec] == torch.float8_e4m3fn:  # no Inf (torch's cast saturates it)
+            special = torch.full_like(x, math.nan)
+        else:
+            special = x
+        return torch.where(x.isfinite(), v, special)
 
     def bits_per_element(self, d_k: int, d_v: int) -> float:
         return float(self.element.bits)
@@ -171,8 +177,8 @@ class ScaledFormat(StateFormat):
     """Integer or small-float elements with one fp32 scale per tensor, row, column or key group.
 
     ``scale = amax / element.max_value`` over the scale's elements, rounded to fp32 (an all-zero block, or
-    one whose scale underflows fp32, gets scale 1.0 so its codes are 0); ``codes =
-    element.encode(element.round(x / scale))``, saturating.
+    one whose scale underflows fp32, gets scale 1.0 so its codes are 0; a block holding a NaN or an Inf
+    gets a NaN scale and decodes to NaN); ``codes = element.encode(element.round(x / scale))``, saturating.
 
     Parts: ``codes`` ``[..., d_k, d_v]`` (int8 for integer elements, uint8 bit codes for minifloats; one
     code per byte, ``bits_per_element`` counts the packed width) and ``scale`` float32 shaped
@@ -207,8 +213,12 @@ class ScaledFormat(StateFormat):
 
     def _scale(self, x: torch.Tensor) -> torch.Tensor:
         """fp32-valued scales in ``x``'s dtype, shaped like :func:`amax_blocks`."""
-        s = fp32_scale(exact_div(amax_blocks(x, self.granularity), self.element.max_value))
-        return torch.where(s == 0, torch.ones_like(s), s)
+        amax = amax_blocks(x, self.granularity)
+        s = fp32_scale(exact_div(amax, self.element.max_value))
+        s = torch.where(s == 0, torch.ones_like(s), s)
+        # a NaN or an Inf makes its scale NaN: every value it scales decodes to NaN (an Inf's scale would
+        # clamp to fp32's max and zero the block's finite values, with no sign of it)
+        return torch.where(amax.isfinite(), s, torch.full_like(s, math.nan))
 
     def _expand(self, s: torch.Tensor, d_k: int) -> torch.Tensor:
         g = self.granularity

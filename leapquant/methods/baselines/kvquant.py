@@ -138,7 +138,8 @@ class KVQuant(StateFormat):
         """Outlier flat indices (int64), their fp16 values, dense grid values/codes and the fp32 row scale."""
         flat = x.flatten(-2)
         idx = flat.abs().topk(self.n_outliers(x.shape[-2], x.shape[-1]), dim=-1).indices
-        values = flat.gather(-1, idx).clamp(-_FP16_MAX, _FP16_MAX).to(torch.float16)
+        values = flat.gather(-1, idx)
+        values = torch.where(values.isinf(), values, values.clamp(-_FP16_MAX, _FP16_MAX)).to(torch.float16)
         dense = flat.scatter(-1, idx, 0.0).view_as(x)
         amax = dense.abs().amax(dim=-1, keepdim=True)
         if self.nuq:
