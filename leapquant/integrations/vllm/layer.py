@@ -248,7 +248,10 @@ class LeapQuantQwen3NextForCausalLM(Qwen3NextForCausalLM):
 
     def get_mamba_state_copy_funcs(self, mamba_types):
         """One copy function per state tensor: vLLM copies only as many tensors as it is given functions,
-        so the in-tree pair would leave the scales, tokens and records of a cached prefix behind."""
+        so the in-tree pair would leave the scales, tokens and records of a cached prefix behind.
+
+        An instance method where ``IsHybrid`` has a classmethod: the tensors depend on this model's config,
+        and vLLM 0.32 asks the model instance (``GPUModelRunner._get_mamba_state_copy_funcs``)."""
         funcs = super().get_mamba_state_copy_funcs(mamba_types)
         if self.leapquant is None:
             return funcs
