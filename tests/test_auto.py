@@ -220,8 +220,11 @@ def test_calibrate_model_plans_every_linear_layer_and_patch_takes_it(tmp_path):
     layers = [i for i, _ in linear_attention_layers(model)]
     assert [i for i, _ in plan.layers] == layers and plan.default is None
     assert set(plan.evidence["layers"]) == {str(i) for i in layers}
-    assert plan.evidence["calibration_tokens"] == 64
+    assert plan.evidence["calibration_tokens"] == 64 and plan.evidence["policy"] == "custom"
     patch(model, str(plan.save(tmp_path / "plan.json"))).unpatch()
+    # the default policy built by hand (as `leapquant calibrate` does) is named as such, not "custom"
+    default = calibrate_model(model, tokenizer, AutoPolicy(), tokens=32)
+    assert default.evidence["policy"] == "leapquant-auto"
     with pytest.raises(LeapQuantError, match="unknown policy"):
         calibrate_model(model, tokenizer, "leapquant-autp")
 

@@ -47,6 +47,52 @@ def test_trace_round_trip(tmp_path):
     assert trace.meta == {"model": "m"} and trace.streams == 2
 
 
+def test_single_stream_round_trip_and_an_upper_case_suffix(tmp_path):
+    """A single stream's records are 2-D: saved as such beside a 3-D S0, they did not load back; and numpy
+    wrote X.NPZ to X.NPZ.npz."""
+    rec = small_records(streams=1)
+    rec = Records(a=rec.a[0], k=rec.k[0], b=rec.b[0], v=rec.v[0], q=rec.q[0])
+    s0 = torch.randn(8, 6, dtype=torch.float64)
+    path = save_trace(tmp_path / "X.NPZ", rec, s0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["X.NPZ"]
+    trace = load_trace(path)
+    assert torch.equal(trace.records.k[0], rec.k) and torch.equal(trace.initial_state[0], s0)
+
+
+def test_simulate_keeps_traces_of_one_name_apart(tmp_path, capsys):
+    """a/t.npz and b/t.npz were both 't': the second overwrote the first in per_trace."""
+    for folder, seed in (("a", 0), ("b", 1)):
+        (tmp_path / folder).mkdir()
+        save_trace(tmp_path / folder / "t.npz", small_records(seed=seed))
+    paths = [str(tmp_path / f / "t.npz") for f in "ab"]
+    out = tmp_path / "r.json"
+    assert main(["simulate", *paths, "-m", "int8", "--quiet", "--json", str(out)]) == 0
+    per_trace = json.loads(out.read_text())["methods"]["int8"]["per_trace"]
+    assert sorted(per_trace) == paths and len({r["output_rel_err"] for r in per_trace.values()}) == 2
+    assert main(["simulate", paths[0], paths[0], "-m", "int8", "--quiet"]) == 2
+    assert "more than one trace is named" in capsys.readouterr().err
+
+
+def test_simulate_says_what_it_cannot_measure(tmp_path, capsys):
+    """A window longer than the trace has no boundary in it (a warning); a trace whose exact recurrence
+    overflows has no reference (an error, where the table showed nan and the JSON bare NaN tokens); a
+    trace that emits nothing has no output error (n/a and null, not 0)."""
+    trace = save_trace(tmp_path / "t.npz", small_records())
+    out = tmp_path / "r.json"
+    assert main(["simulate", str(trace), "-m", "int8/w64", "--quiet", "--json", str(out)]) == 0
+    assert "window 64 is longer than trace t's 40 records" in capsys.readouterr().out
+    assert json.loads(out.read_text())["warnings"]
+    rec = small_records()
+    huge = Records(a=rec.a * 0 + 1, k=rec.k * 1e160, b=rec.b * 0, v=rec.v * 1e160, q=rec.q)
+    assert main(["simulate", str(save_trace(tmp_path / "h.npz", huge)), "-m", "int8", "--quiet"]) == 2
+    assert "exact recurrence overflows" in capsys.readouterr().err
+    silent = Records(a=rec.a, k=rec.k, b=rec.b, v=rec.v, q=rec.q, emit=torch.zeros(40, dtype=torch.bool))
+    path = save_trace(tmp_path / "s.npz", silent)
+    assert main(["simulate", str(path), "-m", "int8", "--quiet", "--json", str(out)]) == 0
+    assert "n/a" in capsys.readouterr().out
+    assert json.loads(out.read_text())["methods"]["int8"]["output_rel_err"] is None
+
+
 def test_single_stream_trace_without_stream_axis(tmp_path):
     rec = small_records(streams=1)
     np.savez(tmp_path / "one.npz", **{n: getattr(rec, n)[0].numpy() for n in "akbvq"})
@@ -95,10 +141,16 @@ def bad_traces(tmp_path):
         ("s0", write_npz(tmp_path / "z.npz", **dict(good, S0=np.zeros((2, 6, 8)))), "S0 has shape"),
         ("notnpz", str(tmp_path / "t.txt"), "expected a .npz file, got .txt"),
         ("nofile", str(tmp_path / "absent.npz"), "no such file"),
+        # FLA's log decay g stored as a: the state was wiped every step and the errors looked excellent
+        ("logdecay", write_npz(tmp_path / "g.npz", **dict(good, a=np.log(good["a"]))), "store a = exp(g)"),
+        ("growth", write_npz(tmp_path / "x.npz", **dict(good, a=good["a"] + 0.1)), "decays a must lie in"),
     ]
 
 
-@pytest.mark.parametrize("case", range(7), ids=["missing", "shape", "nan", "int", "s0", "notnpz", "nofile"])
+BAD_TRACE_IDS = ["missing", "shape", "nan", "int", "s0", "notnpz", "nofile", "logdecay", "growth"]
+
+
+@pytest.mark.parametrize("case", range(len(BAD_TRACE_IDS)), ids=BAD_TRACE_IDS)
 def test_malformed_trace_gives_one_line_error(case, tmp_path, capsys):
     (tmp_path / "t.txt").write_text("not a trace")
     _, path, message = bad_traces(tmp_path)[case]
@@ -197,6 +249,9 @@ def test_simulate_triton_backend_agrees_with_reference(tmp_path):
 def test_simulate_triton_backend_refuses_methods_without_kernels(trace_path, capsys):
     assert main(["simulate", str(trace_path), "-m", "mxfp4/w16", "--backend", "triton", "--quiet"]) == 2
     assert "no kernel" in capsys.readouterr().err
+    # the per-step kernels on heads they cannot tile: a Triton traceback before; now refused up front
+    assert main(["simulate", str(trace_path), "-m", "int8", "--backend", "triton", "--quiet"]) == 2
+    assert "d_v=6 is not a power of two" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("variant", ["nonsense", "int8"])
@@ -287,3 +342,15 @@ def test_provenance_names_the_commit_of_a_checkout():
         assert re.fullmatch(r"[0-9a-f]{40}", info["git_commit"]) and isinstance(info["git_dirty"], bool)
     else:
         assert info["git_commit"] is None and info["git_dirty"] is None
+
+
+def test_version_and_a_reader_that_leaves_early(capsys):
+    """``--version`` is answered (main's docstring promised it), and ``leapquant methods | head -1`` ends
+    without a BrokenPipeError traceback."""
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.startswith("leapquant ")
+    code = "import sys; from leapquant.cli.main import main; sys.exit(main(['methods']))"
+    pipe = subprocess.run(
+        f'{sys.executable} -c "{code}" | head -c 10', shell=True, capture_output=True, text=True, check=True
+    )
+    assert len(pipe.stdout) == 10 and "Traceback" not in pipe.stderr and "BrokenPipe" not in pipe.stderr

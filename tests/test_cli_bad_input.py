@@ -127,6 +127,7 @@ CASES = [
     # memory
     ("mem-model", [*MEM, "--model", "qwen3.5-9c"], "did you mean 'qwen3.5-9b'"),
     ("mem-gpu", [*MEM, "--gpu-memory", "0"], "> 0, got 0"),
+    ("mem-ckpt-alone", [*MEM, "--checkpoint", "boundary"], "it needs --prefix-cache-interval"),
     ("mem-gpu-nan", [*MEM, "--gpu-memory", "nan"], "got nan"),
     ("mem-context", [*MEM, "--context", "-1"], "--context: must be >= 1"),
     ("mem-config", [*MEM, "--model", "garbage.json"], "not valid JSON"),
@@ -177,7 +178,7 @@ CASES = [
         ["calibrate", "--out", "p.json", "--model", "kimi-kda-hybrid"],
         "'kimi-kda-hybrid-byte'?",
     ),
-    ("calibrate-tokens", ["calibrate", "--out", "p.json", "--tokens", "0"], "--tokens: must be >= 2"),
+    ("calibrate-tokens", ["calibrate", "--out", "p.json", "--tokens", "5"], "--tokens: must be >= 16"),
     ("calibrate-budget", ["calibrate", "--out", "p.json", "--budget", "-1"], "finite number > 0"),
     ("calibrate-text", ["calibrate", "--out", "p.json", "--text", "absent.txt"], "absent.txt: no such file"),
     ("calibrate-candidate", ["calibrate", "--out", "p.json", "-c", "int9"], "unknown format 'int9'"),

@@ -91,7 +91,9 @@ def test_methods_names_the_family_of_each_record_buffer(tmp_path, capsys):
     bytes for leapquant-int8's 16 records and position."""
     out = tmp_path / "m.json"
     assert main(["methods", "--json", str(out)]) == 0
-    row = next(r for r in json.loads(out.read_text()) if r["method"] == "leapquant-int8")
+    report = json.loads(out.read_text())
+    assert (report["d_k"], report["d_v"]) == (128, 128) and "date_utc" in report["provenance"]
+    row = next(r for r in report["methods"] if r["method"] == "leapquant-int8")
     assert row["record_buffer_bytes_per_head_gdn"] == 16 * (4 + 2 * 256) + 4
     assert row["record_buffer_bytes_per_head_kda"] == 16 * 2 * (128 + 256) + 4
     assert "records B/head GDN" in capsys.readouterr().out

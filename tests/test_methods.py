@@ -286,6 +286,9 @@ def test_method_names_round_trip(name, canonical):
         ("fp8-e4m3/w16+ls", r"\+ls .*integer format"),
         ("int4-g32/w16+ls", r"\+ls .*one scale per\s+value channel"),
         ("bf16/w16+ls", r"\+ls .*integer format"),
+        ("int8/w16+ct4+ct2", r"\+ctR is given twice"),  # kept the last one silently
+        ("int8/w16+rec16+rec32", r"\+rec16/bf16/32 is given twice"),
+        ("int8/w16+smooth+smooth", r"\+smooth is given twice"),
     ],
 )
 def test_bad_method_names(name, message):
@@ -409,3 +412,11 @@ def test_fp16_tokens_of_a_state_that_grows_with_the_context(growth):
     assert torch.equal(bk @ bu.transpose(-1, -2), k @ u.transpose(-1, -2))
     if growth == 1:
         assert u.abs().max() < 2**15 and bk is k and bu is u
+
+
+def test_more_tokens_than_the_rank_of_a_head_are_refused():
+    with pytest.raises(
+        LeapQuantError, match=r"fits 9 compensator tokens to heads of 8x12, whose rank is at most 8"
+    ):
+        WindowedState(parse_method("int8/w16+ct9"), 2, 8, 12)
+    WindowedState(parse_method("int8/w16+ct8"), 2, 8, 12)

@@ -25,7 +25,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "--model", default=DEFAULT_CHECKPOINT, type=model_arg,
         help=f"a shipped checkpoint's name or a transformers folder (default {DEFAULT_CHECKPOINT})",
     )  # fmt: skip
-    p.add_argument("--tokens", type=count(2), default=2048, help="calibration tokens (default 2048)")
+    p.add_argument("--tokens", type=count(16), default=2048, help="calibration tokens, >= 16 (default 2048)")
     p.add_argument(
         "--text", metavar="FILE", type=input_file("file"),
         help="calibration text (default: leapquant's own source)",
@@ -62,7 +62,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
         text = Path(args.text).read_text(encoding="utf-8", errors="replace")
     model, tokenizer = load_model(args.model, args.device)
     plan = calibrate_model(model, tokenizer, policy, tokens=args.tokens, text=text)
-    plan = replace(plan, evidence={**plan.evidence, "model": str(args.model), "provenance": provenance()})
+    how = provenance(cuda=args.device.startswith("cuda"))
+    plan = replace(plan, evidence={**plan.evidence, "model": str(args.model), "provenance": how})
     plan.save(args.out)
     print(f"wrote {args.out}: {plan.name}")
     for layer, row in plan.evidence["layers"].items():

@@ -24,12 +24,14 @@ def _quiet_third_party() -> None:
 
 
 def build_parser() -> Parser:
+    from .. import __version__
     from . import bench, calibrate, memory, model, recall, simulate
 
     parser = Parser(
         prog="leapquant",
         description="Low-bit recurrent state for linear-attention layers (LeapQuant).",
     )
+    parser.add_argument("--version", action="version", version=f"leapquant {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     simulate.add_parsers(sub)
     bench.add_parsers(sub)
@@ -55,6 +57,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("leapquant: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `leapquant ... | head`: the reader left; say nothing more
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 141
     except SystemExit as exc:  # --help and --version exit through argparse
         return exc.code if isinstance(exc.code, int) else 0
 

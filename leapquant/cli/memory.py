@@ -7,6 +7,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+from ..errors import LeapQuantError
 from .args import JSON, count, output_file, positive_float
 
 DEFAULT_METHODS = ("fp32", "bf16", "leapquant-int8")
@@ -46,10 +47,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--checkpoint",
         choices=("slot", "boundary"),
-        default="slot",
         help="what a prefix-cache checkpoint of a windowed method holds: the whole slot, records included, "
         "as the vLLM plugin copies it (default), or the boundary state alone, as the paper counts it (an "
-        "engine that closed a window on every block boundary)",
+        "engine that closed a window on every block boundary); needs --prefix-cache-interval",
     )
     p.add_argument(
         "--method",
@@ -94,6 +94,10 @@ def run_memory(args: argparse.Namespace) -> int:
     if args.text_only:
         shape = replace(shape, vision_params=0)
     methods = list(dict.fromkeys(args.method or DEFAULT_METHODS))
+    if args.checkpoint is not None and not args.prefix_cache_interval:
+        raise LeapQuantError("memory: --checkpoint says what a prefix-cache checkpoint holds; it needs "
+                             "--prefix-cache-interval")  # fmt: skip
+    args.checkpoint = args.checkpoint or "slot"
     common = dict(
         context=args.context,
         gpu_memory_gib=args.gpu_memory,

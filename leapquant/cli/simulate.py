@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -49,7 +48,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "--backend",
         choices=("reference", "triton"),
         default="reference",
-        help="reference: float64 methods; triton: the decode kernels (GPU, or CPU with TRITON_INTERPRET=1)",
+        help="reference: float64 methods; triton: the decode kernels (GPU, or the CPU through the Triton "
+        "interpreter: slow, small traces)",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=run_simulate)
@@ -162,26 +162,31 @@ def print_report(report: dict, title: str) -> None:
     table.add_column("output rel err", justify="right")
     table.add_column("final state rel err", justify="right")
     table.add_column("seconds", justify="right", style="dim")
+
+    def err(x):
+        return "n/a" if x is None else f"{x:.3e}"
+
     for name, row in report["methods"].items():
         table.add_row(
             name,
             row["config"],
             f"{row['bytes_per_element']:.3f}",
-            f"{row['output_rel_err']:.3e}",
-            f"{row['final_state_rel_err']:.3e}",
+            err(row["output_rel_err"]),
+            err(row["final_state_rel_err"]),
             f"{row['seconds']:.1f}",
         )
     console().print(table)
+    for line in report.get("warnings", ()):
+        print(f"warning: {line}")
 
 
 def _write_outputs(report: dict, json_path: str | None, plot_path: str | None, title: str) -> None:
+    from ..checks import write_json
     from ..eval.provenance import provenance
 
-    report["provenance"] = provenance()
+    report["provenance"] = provenance(cuda=report["backend"] == "triton")
     if json_path:
-        path = Path(json_path)
-        path.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"wrote {path}")
+        print(f"wrote {write_json(json_path, report)}")
     if plot_path:
         from ..eval.plot import plot_state_error
 
@@ -192,6 +197,10 @@ def run_simulate(args: argparse.Namespace) -> int:
     from ..traces.io import load_trace
 
     traces = [load_trace(p) for p in args.traces]
+    stems = [t.name for t in traces]
+    if len(set(stems)) != len(stems):  # a/t.npz and b/t.npz: name them by path, so neither overwrites
+        for trace, path in zip(traces, args.traces, strict=True):
+            trace.name = str(path)
     report = _run(traces, args.method, args.checkpoints, args.seed, args.quiet, args.backend)
     shape = ", ".join(f"{t.name}: {t.streams}x{t.records.steps}" for t in traces)
     print_report(report, f"leapquant simulate ({shape}, backend {args.backend})")
@@ -254,8 +263,11 @@ def run_methods(args: argparse.Namespace) -> int:
     print("Record buffers: GDN keeps one decay value per record, KDA one per key channel.")
     print("Grammar: CODEC[/wP][+ctR][+svd][+itN][+smooth][+ls][+rec16|+recbf16|+rec32][+sr]")
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
-        print(f"wrote {args.json}")
+        from ..checks import write_json
+        from ..eval.provenance import provenance
+
+        report = {"d_k": args.dk, "d_v": args.dv, "methods": rows, "provenance": provenance()}
+        print(f"wrote {write_json(args.json, report)}")
     return 0
 
 

@@ -141,9 +141,10 @@ class _Pool:
         acc[1] += float((ref**2).sum())
 
     @staticmethod
-    def ratio(acc: list[float]) -> float:
+    def ratio(acc: list[float]) -> float | None:
+        """sqrt(error energy / reference energy); ``None`` without a reference (no record emits)."""
         if acc[1] == 0.0:
-            return 0.0 if acc[0] == 0.0 else float("inf")
+            return None if acc[0] == 0.0 else float("inf")
         return (acc[0] / acc[1]) ** 0.5
 
 
@@ -165,11 +166,13 @@ def simulate(
     (the exact trajectory stays float64).
 
     Per method: ``output_rel_err``, ``state_rel_err`` (``[[step, value], ...]`` at ``checkpoints`` evenly
-    spaced steps), ``final_state_rel_err``, ``bytes_per_element`` (boundary storage, weighted over the
-    traces' head shapes), plus the canonical configuration, record-buffer bytes (one decay a record where a
-    trace's decays are equal across its key channels, as GDN's are; else one per channel), quantization
-    count, seconds and a per-trace breakdown.
-    """
+    spaced steps of the longest trace; each point pools the traces that reach it, so with traces of
+    different lengths its late points cover the long ones only), ``final_state_rel_err`` (each trace's
+    last state), errors ``None`` where nothing emits, ``bytes_per_element`` (boundary storage, weighted
+    over the traces' head shapes), plus the canonical configuration, record-buffer bytes (one decay a
+    record where a trace's decays are equal across its key channels, as GDN's are; else one per channel),
+    quantization count, seconds and a per-trace breakdown.  ``warnings`` names windows longer than a
+    trace (no boundary inside it)."""
     if not traces:
         raise LeapQuantError("simulate: no traces given")
     if not methods:
@@ -181,8 +184,15 @@ def simulate(
             raise LeapQuantError("simulate: a method is listed twice")
         configs = {m: as_method(m, "simulate: method") for m in methods}
     methods = list(configs)
+    names = [t.name for t in traces]
+    if len(set(names)) != len(names):
+        twice = sorted({n for n in names if names.count(n) > 1})
+        raise LeapQuantError(
+            f"simulate: more than one trace is named {', '.join(map(repr, twice))} (Trace.name)"
+        )
     if backend == "triton":
         require_triton("simulate: backend 'triton'")  # before the exact trajectories, not after them
+        _check_kernels(configs, traces)
     for trace in traces:
         trace.records.check_finite()
         s0 = trace.initial_state
@@ -196,6 +206,7 @@ def simulate(
     seconds = dict.fromkeys(methods, 0.0)
     quantizations = dict.fromkeys(methods, 0)
     weights, heads = 0.0, 0
+    warnings: list[str] = []
     bpe, buffer = dict.fromkeys(methods, 0.0), dict.fromkeys(methods, 0.0)
     for trace in traces:
         rec = trace.records
@@ -203,6 +214,11 @@ def simulate(
         decay_values = 1 if bool((rec.a == rec.a[..., :1]).all()) else rec.d_k
         wanted = [s for s in steps if s <= rec.steps] + [rec.steps]
         ref_out, ref_states = exact_recurrence(rec, trace.initial_state, checkpoints=wanted)
+        if not (ref_out.isfinite().all() and all(x.isfinite().all() for x in ref_states.values())):
+            raise LeapQuantError(
+                f"trace {trace.name}: the exact recurrence overflows float64 (its decays and keys let the "
+                "state grow without bound): no reference to measure against"
+            )
         if rec.emit is not None:
             ref_out = ref_out * rec.emit[:, None].to(ref_out.dtype)
         weight = trace.streams * rec.d_k * rec.d_v
@@ -225,6 +241,11 @@ def simulate(
                 "output_rel_err": _Pool.ratio(single.out),
                 "final_state_rel_err": _Pool.ratio(single.final),
             }
+            if cfg.window > rec.steps:
+                warnings.append(
+                    f"{name}: window {cfg.window} is longer than trace {trace.name}'s {rec.steps} records, "
+                    "so no boundary falls inside it (only the load and the record rounding are measured)"
+                )
             bpe[name] += weight * cfg.bytes_per_element(rec.d_k, rec.d_v)
             buffer[name] += trace.streams * cfg.record_buffer_bytes(rec.d_k, rec.d_v, decay_values)
     report = {}
@@ -261,4 +282,21 @@ def simulate(
         "reference": "exact recurrence in float64",
         "backend": backend,
         "checkpoints": steps,
+        "warnings": warnings,
     }
+
+
+def _check_kernels(configs: Mapping[str, MethodConfig], traces: Sequence[Trace]) -> None:
+    """Every method has a kernel and every trace's heads tile, before any trajectory is computed."""
+    from ..ops.checks import untileable_head_dims
+    from ..ops.per_step_decode import per_step_unsupported
+    from ..ops.pool import pool_unsupported
+
+    for name, cfg in configs.items():
+        reason = per_step_unsupported(cfg) if cfg.window == 1 else pool_unsupported(cfg)
+        if reason is not None:
+            raise LeapQuantError(f"simulate: no Triton kernel for {name!r}: {reason}")
+    for trace in traces:
+        reason = untileable_head_dims(trace.records.d_k, trace.records.d_v)
+        if reason is not None:
+            raise LeapQuantError(f"simulate: trace {trace.name}: {reason}")

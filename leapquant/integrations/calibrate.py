@@ -51,8 +51,8 @@ def calibrate_model(
         if policy not in POLICIES:
             raise LeapQuantError(f"unknown policy {policy!r}; policies: {', '.join(POLICIES)}")
         name, policy = policy, POLICIES[policy]
-    elif isinstance(policy, AutoPolicy):
-        name = "custom"
+    elif isinstance(policy, AutoPolicy):  # a policy equal to a named one is that one
+        name = next((n for n, p in POLICIES.items() if p == policy), "custom")
     else:
         raise LeapQuantError(f"policy must be a name or an AutoPolicy, got {type(policy).__name__}")
     if tokens < 16:

@@ -253,6 +253,7 @@ def parse_method(name: str) -> MethodConfig:
             )
         window = int(w[1:])
     fields: dict = {"codec": codec, "window": window}
+    seen: set[str] = set()
     for opt in options:
         m = _OPTION.match(opt)
         if not m:
@@ -261,6 +262,13 @@ def parse_method(name: str) -> MethodConfig:
                 "+recbf16, +rec32, +sr)"
                 + did_you_mean(opt, ("smooth", "ls", "svd", "sr", "rec16", "recbf16", "rec32"))
             )
+        kind = (
+            re.sub(r"\d+$", "", opt) if opt.startswith(("ct", "it")) else opt[:3] if opt[:3] == "rec" else opt
+        )
+        if kind in seen:  # "+ct4+ct2" kept the last one silently
+            label = {"ct": "+ctR", "it": "+itN", "rec": "+rec16/bf16/32"}.get(kind, f"+{kind}")
+            raise LeapQuantError(f"method {name!r}: {label} is given twice")
+        seen.add(kind)
         if m.group(2):
             fields["compensators"] = int(m.group(2))
         elif m.group(3):

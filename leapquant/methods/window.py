@@ -88,6 +88,11 @@ class WindowedState:
             check_count(f"WindowedState: {name}", value)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise LeapQuantError(f"WindowedState: dtype must be a floating-point torch dtype, got {dtype}")
+        if config.compensators > min(d_k, d_v):
+            raise LeapQuantError(
+                f"WindowedState: {config.name} fits {config.compensators} compensator tokens to heads of "
+                f"{d_k}x{d_v}, whose rank is at most {min(d_k, d_v)}"
+            )
         self.config = config
         self.batch, self.d_k, self.d_v = batch, d_k, d_v
         self.dtype, self.device = dtype, torch.device(device)

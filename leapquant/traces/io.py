@@ -5,7 +5,7 @@ Arrays (``S`` streams, ``T`` records; a single-stream file may drop the leading 
 ========  ================  ==========================================================
 key       shape             meaning
 ========  ================  ==========================================================
-``a``     ``[S, T, d_k]``   decay per key channel
+``a``     ``[S, T, d_k]``   decay per key channel in [0, 1]: ``exp(g)``, not ``g``
 ``k``     ``[S, T, d_k]``   write key (step size folded in)
 ``b``     ``[S, T, d_k]``   read vector of the delta rule (zeros without it)
 ``v``     ``[S, T, d_v]``   value
@@ -36,6 +36,8 @@ from ..recurrences.records import Records
 __all__ = ["Trace", "load_trace", "save_trace"]
 
 _REQUIRED = ("a", "k", "b", "v", "q")
+# decays are exp(-x) <= 1; a little slack for one computed a rounding step above 1
+_DECAY_SLACK = 1e-3
 
 
 @dataclass
@@ -61,7 +63,12 @@ def save_trace(
     """Write records with leading stream dims (flattened to ``S``) to ``path``, a ``.npz`` file in an
     existing folder."""
     flat = records.flatten() if records.k.ndim > 2 else records
-    arrays = {n: getattr(flat, n).detach().cpu().numpy() for n in _REQUIRED}
+    # always [S, T, d] (a single stream too), so that S0 [S, d_k, d_v] reads back with the records
+    arrays = {
+        n: getattr(flat, n).detach().cpu().reshape(-1, *flat.k.shape[-2:]).numpy()
+        for n in ("a", "k", "b", "q")
+    }
+    arrays["v"] = flat.v.detach().cpu().reshape(-1, *flat.v.shape[-2:]).numpy()
     if initial_state is not None:
         arrays["S0"] = initial_state.reshape(-1, *initial_state.shape[-2:]).detach().cpu().numpy()
     if records.emit is not None:
@@ -70,7 +77,8 @@ def save_trace(
         arrays["readout"] = np.array(records.readout)
     arrays["meta"] = np.array(json.dumps(meta or {}))
     path = check_output_file(path, "trace", (".npz",))
-    np.savez_compressed(path, **arrays)
+    with open(path, "wb") as fh:  # by name, numpy would add ".npz" to "X.NPZ"
+        np.savez_compressed(fh, **arrays)
     return path
 
 
@@ -100,7 +108,7 @@ def load_trace(path: str | Path) -> Trace:
         tensors[key] = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float64))
     k = tensors["k"]
     if k.ndim == 2:
-        tensors = {n: x.unsqueeze(0) for n, x in tensors.items()}
+        tensors = {n: x.unsqueeze(0) if n != "S0" or x.ndim == 2 else x for n, x in tensors.items()}
         k = tensors["k"]
     if k.ndim != 3:
         raise LeapQuantError(f"trace {path}: k must be [T, d_k] or [S, T, d_k], got shape {tuple(k.shape)}")
@@ -122,6 +130,13 @@ def load_trace(path: str | Path) -> Trace:
         if not torch.isfinite(x).all():
             where = tuple((~torch.isfinite(x)).nonzero()[0].tolist())
             raise LeapQuantError(f"trace {path}: array {key} has a NaN or Inf at index {where}")
+    a = tensors["a"]
+    if bool(((a < 0) | (a > 1 + _DECAY_SLACK)).any()):
+        lo, hi = float(a.min()), float(a.max())
+        hint = "; log decays g? store a = exp(g)" if hi <= 0 else ""
+        raise LeapQuantError(
+            f"trace {path}: decays a must lie in [0, 1], got values in [{lo:.4g}, {hi:.4g}]{hint}"
+        )
     emit = None
     if "emit" in arrays:
         e = arrays["emit"]
