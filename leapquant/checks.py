@@ -21,7 +21,6 @@ __all__ = [
     "read_json",
     "require_triton",
     "resolve_device",
-    "write_json",
 ]
 
 
@@ -102,26 +101,6 @@ def read_json(path: str | Path, what: str):
         raise LeapQuantError(f"{what} {path}: not a text file (not UTF-8), expected JSON") from None
     except json.JSONDecodeError as exc:
         raise LeapQuantError(f"{what} {path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
-
-
-def write_json(path: str | Path, obj, indent: int = 2) -> Path:
-    """Write ``obj`` as strict JSON (NaN and Inf become ``null``: ``json.dumps`` would write bare ``NaN``,
-    which JSON parsers refuse) with a final newline."""
-    import json
-    import math
-
-    def finite(x):
-        if isinstance(x, float) and not math.isfinite(x):
-            return None
-        if isinstance(x, dict):
-            return {k: finite(v) for k, v in x.items()}
-        if isinstance(x, list | tuple):
-            return [finite(v) for v in x]
-        return x
-
-    path = Path(path)
-    path.write_text(json.dumps(finite(obj), indent=indent, allow_nan=False) + "\n")
-    return path
 
 
 def resolve_device(device: str) -> str:

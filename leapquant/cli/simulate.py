@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -181,12 +182,12 @@ def print_report(report: dict, title: str) -> None:
 
 
 def _write_outputs(report: dict, json_path: str | None, plot_path: str | None, title: str) -> None:
-    from ..checks import write_json
     from ..eval.provenance import provenance
 
     report["provenance"] = provenance(cuda=report["backend"] == "triton")
     if json_path:
-        print(f"wrote {write_json(json_path, report)}")
+        Path(json_path).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {json_path}")
     if plot_path:
         from ..eval.plot import plot_state_error
 
@@ -263,11 +264,11 @@ def run_methods(args: argparse.Namespace) -> int:
     print("Record buffers: GDN keeps one decay value per record, KDA one per key channel.")
     print("Grammar: CODEC[/wP][+ctR][+svd][+itN][+smooth][+ls][+rec16|+recbf16|+rec32][+sr]")
     if args.json:
-        from ..checks import write_json
         from ..eval.provenance import provenance
 
         report = {"d_k": args.dk, "d_v": args.dv, "methods": rows, "provenance": provenance()}
-        print(f"wrote {write_json(args.json, report)}")
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.json}")
     return 0
 
 
