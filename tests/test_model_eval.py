@@ -263,14 +263,14 @@ def test_eval_report_markdown(tiny_dir, tmp_path, capsys):
     capsys.readouterr()
     assert main(["eval-report", str(out)]) == 0
     md = capsys.readouterr().out
-    assert "| `int4` | 0.531 |" in md and "8 teacher-forced tokens" in md
+    assert "| `int4` | 0.625 |" in md and "8 teacher-forced tokens" in md
     assert main(["eval-report", str(tmp_path / "missing.json")]) == 2
     # --after: the late stretch of the run (8 tokens make 8 one-token segments)
     report = json.loads(out.read_text())
     assert main(["eval-report", str(out), "--after", "6"]) == 0
     late = sum(report["curves"]["kl"]["int4"][6:]) / 2
     md = capsys.readouterr().out
-    assert "tokens 7 to 8 of 8" in md and f"| `int4` | 0.531 | {late:.2e} |" in md
+    assert "tokens 7 to 8 of 8" in md and f"| `int4` | 0.625 | {late:.2e} |" in md
     assert main(["eval-report", str(out), "--after", "8"]) == 2
     assert "no curve segment starts at or after token 8" in capsys.readouterr().err
     # --plot-kl: one panel per model from any number of reports, --only picks lines by name
@@ -378,7 +378,8 @@ def test_text_is_gathered_until_the_tokenizer_makes_enough_tokens():
 
 def test_bytes_per_element_of_a_plan_counts_the_layers_its_default_covers(tiny_dir, tmp_path):
     """A plan that lists one layer and gives the rest a default: its bytes per element average every linear
-    layer of the model, not the listed one alone."""
+    layer of the model, not the listed one alone; at the model's own head size (32x32 here: the column was
+    counted for 128x128 heads whatever the model)."""
     from leapquant.methods import parse_method
     from leapquant.methods.layer_plan import PLAN_FORMAT
 
@@ -388,7 +389,38 @@ def test_bytes_per_element_of_a_plan_counts_the_layers_its_default_covers(tiny_d
     cfg = EvalConfig(methods=(str(plan),), tokens=8, prefill=8, curve_points=1, backend="reference")
     rep = evaluate_model(model, tok, cfg)
     layers = len(rep["curves"]["layers"])
-    int4, int8 = (parse_method(m).bytes_per_element(128, 128) for m in ("int4", "int8"))
+    int4, int8 = (parse_method(m).bytes_per_element(32, 32) for m in ("int4", "int8"))
     assert layers > 1
     want = (int4 + (layers - 1) * int8) / layers
     assert rep["methods"][str(plan)]["bytes_per_element"] == pytest.approx(want)
+
+
+def test_a_broken_model_folder_is_one_line(tiny_dir, tmp_path, capsys):
+    """No weights, a bad config.json, an unknown model type: transformers' tracebacks (exit 1); no
+    tokenizer files: an empty tokenizer and, after 35 s, an error about the standard library's size."""
+    import json
+    import shutil
+
+    from leapquant.cli.main import main
+
+    cases = {}
+    for name in ("no_weights", "bad_json", "unknown_type", "no_tokenizer"):
+        cases[name] = tmp_path / name
+        shutil.copytree(tiny_dir, cases[name])
+    (cases["no_weights"] / "model.safetensors").unlink()
+    (cases["bad_json"] / "config.json").write_text("{not json")
+    config = json.loads((cases["unknown_type"] / "config.json").read_text())
+    (cases["unknown_type"] / "config.json").write_text(json.dumps(config | {"model_type": "qwen9"}))
+    for f in cases["no_tokenizer"].iterdir():
+        if "token" in f.name:
+            f.unlink()
+    words = {
+        "no_weights": "no file named model.safetensors",
+        "bad_json": "not a valid JSON file",
+        "unknown_type": "qwen9",
+        "no_tokenizer": "its tokenizer makes no tokens",
+    }
+    for name, folder in cases.items():
+        assert main(["eval", "--model", str(folder), "--tokens", "32", "--quiet"]) == 2, name
+        err = capsys.readouterr().err.strip().splitlines()[-1]  # after the CPU note
+        assert err.startswith(f"leapquant: error: model {folder}") and words[name] in err

@@ -220,7 +220,7 @@ def test_recall_cli_runs_a_real_method_and_reports(tmp_path, capsys):
     assert main(["recall-report", str(out), str(out)]) == 2  # the same method twice: refused
     assert main(["recall-report", str(out)]) == 0
     md = capsys.readouterr().out
-    assert "| `int8` | 1.031 | 100.0 | 100.0 |" in md
+    assert "| `int8` | 1.125 | 100.0 | 100.0 |" in md  # 32x32 heads: 1 + 4 / 32
     err = row["state_rel_err"]
     assert (
         f"| `int8` | {round(row['agree_fp32']['24'])}/1 | {round(row['agree_fp32']['40'])}/1 "
@@ -244,7 +244,7 @@ def test_recall_cli_runs_a_real_method_and_reports(tmp_path, capsys):
         if code:
             assert "'int6' has no result at distances [40]" in text.err and not merged.exists()
             continue
-        assert "| `int6` | 1.031 | 100.0 | not reached |" in text.out and "cut short" in text.out
+        assert "| `int6` | 1.125 | 100.0 | not reached |" in text.out and "cut short" in text.out
         joined = json.loads(merged.read_text())
         assert not joined["complete"] and (tmp_path / "m.png").stat().st_size > 0
         assert [r["methods"] for r in joined["seconds_by_run"]] == [["int8"], ["int6"]]

@@ -149,8 +149,15 @@ def load_model(path: str | Path, device: str = "auto"):
 
     hf_logging.disable_progress_bar()
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:  # no weights, bad config.json, an unknown model type
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise LeapQuantError(f"model {path}: transformers cannot load it: {first}") from None
+    # a folder without tokenizer files loads an empty tokenizer that makes no tokens at all
+    if not tokenizer("leapquant", add_special_tokens=False)["input_ids"]:
+        raise LeapQuantError(f"model {path}: its tokenizer makes no tokens (tokenizer files missing?)")
     return model.to(device).eval(), tokenizer
 
 
@@ -174,6 +181,8 @@ def token_ids(
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(ids) >= needed:
             return ids[:needed], text, files
+        if text and not ids:  # doubling the text would never help
+            raise LeapQuantError(f"the tokenizer makes no tokens of {source}'s text")
         if not gathered:
             raise LeapQuantError(f"{source} has {len(ids)} tokens, fewer than the {needed} requested")
         min_bytes *= 2
@@ -209,6 +218,7 @@ def evaluate_model(
     import torch
 
     from ..integrations import patch, unpatch
+    from ..integrations.transformers import linear_head_dims
     from ..methods import as_layer_methods
     from . import resume
 
@@ -230,6 +240,7 @@ def evaluate_model(
     if saved is not None and saved.get("report") is not None:
         return saved["report"]  # the run was complete: its report, not a second run
     patched = patch(model, [config.config_of(r) for r in rows], backend=config.backend)
+    head_dims = linear_head_dims(model)
     batch = ids[None].repeat(len(rows), 1)
     # accumulated on the device: no host sync per token, the CPU runs ahead of the GPU
     kl, nll, agree = (torch.zeros(len(rows), dtype=torch.float64, device=model.device) for _ in range(3))
@@ -267,7 +278,7 @@ def evaluate_model(
                 "state_rel_err": (num / den) ** 0.5,
                 "state_rel_err_by_layer": {str(layer): curves[layer][-1][i] for layer in curves},
                 # a layer plan's averaged over the model's linear layers, its default's included
-                "bytes_per_element": as_layer_methods(cfg).bytes_per_element(128, 128, list(states)),
+                "bytes_per_element": as_layer_methods(cfg).bytes_per_element(*head_dims, list(states)),
                 "window": cfg.window,
             }
             if name in generated:

@@ -222,6 +222,7 @@ def evaluate_recall(
     """
 
     from ..integrations import linear_attention_layers, unpatch
+    from ..integrations.transformers import linear_head_dims
     from ..methods import LayerPlan, as_layer_methods
     from .model_eval import stdlib_text
 
@@ -254,7 +255,7 @@ def evaluate_recall(
         "methods": {
             m: {
                 "bytes_per_element": as_layer_methods(config.config_of(m)).bytes_per_element(
-                    128, 128, linear
+                    *linear_head_dims(model), linear
                 ),
                 "window": config.config_of(m).window,
                 **({"plan": config.config_of(m).name} if isinstance(config.config_of(m), LayerPlan) else {}),

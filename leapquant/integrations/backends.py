@@ -21,6 +21,7 @@ All of them take the prefill's final state ``[B, HV, K, V]`` (K-first, as transf
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import torch
@@ -29,6 +30,16 @@ from ..errors import LeapQuantError
 from ..methods import MethodConfig, WindowedState
 
 __all__ = ["DequantizedState", "KernelState", "NativeState", "ReferenceState", "make_state"]
+
+
+def _copy_without_graphs(state, memo: dict):
+    """``copy.deepcopy`` of a state without its captured CUDA graphs (they address the original's tensors;
+    the copy captures its own): a cache copied to reuse a prompt (transformers' documented pattern)."""
+    new = state.__class__.__new__(state.__class__)
+    memo[id(state)] = new
+    for name, value in state.__dict__.items():
+        setattr(new, name, None if name in ("_graph", "_seen") else copy.deepcopy(value, memo))
+    return new
 
 
 class NativeState:
@@ -120,6 +131,8 @@ class DequantizedState(NativeState):
         graph.replay()
         # static_out is overwritten by the next replay, after the model's step has consumed it
         return static_out
+
+    __deepcopy__ = _copy_without_graphs
 
     def load(self, state: torch.Tensor) -> None:
         self.state = self._round_trip(state.float()).clone()  # its own tensor, updated in place from now
@@ -249,6 +262,8 @@ class KernelState:
         if method.window == 1:
             return per_step_unsupported(method)
         return pool_unsupported(method)
+
+    __deepcopy__ = _copy_without_graphs
 
     def load(self, state: torch.Tensor) -> None:
         from ..ops.leapquant_decode import load_states
