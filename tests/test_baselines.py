@@ -240,6 +240,10 @@ def test_other_families_are_not_baselines(name):
 BAD_NAMES = (
     *("kvquant", "kvquant-int9", "kvquant-fp8", "kvquant-int8-o1.5", "kvquant-int8-sr", "quarot-int1"),
     *("quarot-fp8", "quarot-int8-seed", "turboquant-x", "turboquant-0", "turboquant-9", "turboquant-4-sr"),
+    # other spellings of existing baselines (a table keyed by name listed one method twice), a fraction
+    # that keeps no outlier, and "outliers" that are most of the state
+    *("quarot-int4-seed0", "quarot-int4-seed03", "kvquant-int08", "turboquant-04", "kvquant-int8-o0.010"),
+    *("kvquant-int8-o1e-30", "kvquant-int8-o0.9"),
 )
 
 
@@ -291,3 +295,44 @@ def test_nan_and_inf_never_come_back_finite(name):
     y = fmt.dequantize(fmt.quantize(x), torch.float64)
     assert not y[~x.isfinite()].isfinite().any()
     assert torch.equal(fmt.fake_quantize(x).isnan(), y.isnan())
+
+
+def test_turboquant_keeps_each_columns_norm():
+    """The MSE test uses unit columns, so a decode that ignored the stored norms passed everything (error
+    0.91 at every width).  Columns of norms over six decades: errors near the codebook's own."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 128, 96, generator=gen, dtype=torch.float64)
+    x = x * torch.logspace(-3, 3, 96, dtype=torch.float64)
+    for bits, bound in ((8, 0.02), (6, 0.08), (4, 0.3)):  # worst column; overall 0.006, 0.025, 0.094
+        y = get_baseline(f"turboquant-{bits}").fake_quantize(x)
+        per_column = (y - x).norm(dim=-2) / x.norm(dim=-2)
+        assert per_column.max() < bound, (bits, float(per_column.max()))
+
+
+def test_kvquant_scales_are_per_key_row():
+    """One fp32 scale per key row (KVQuant's per-channel keys): on a 96x64 head the scale is [96, 1], and a
+    key row 1000x larger than the rest leaves the others' error as it was."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(96, 64, generator=gen, dtype=torch.float64)
+    fmt = get_baseline("kvquant-int8-o0.0")
+    assert fmt.quantize(x)["scale"].shape == (96, 1)
+    loud = x.clone()
+    loud[7] *= 1000
+    rest = [i for i in range(96) if i != 7]
+    assert torch.equal(fmt.fake_quantize(loud)[rest], fmt.fake_quantize(x)[rest])
+
+
+@pytest.mark.parametrize("name", ["kvquant-int8", "kvquant-nuq8", "quarot-int8", "turboquant-8"])
+@pytest.mark.parametrize(
+    ("dtype", "magnitude"), [(torch.float32, 1e-30), (torch.float32, 1e19), (torch.float64, 1e39)]
+)
+def test_states_at_the_edges_of_fp32_stay_finite(name, dtype, magnitude):
+    """Scales and norms were cast to fp32 unclamped (a float64 state past 3.4e38: NaN), and TurboQuant's
+    float32 norm overflowed near 1e19 (NaN) and underflowed near 1e-30 (the column came back zero)."""
+    x = (torch.randn(64, 32, generator=torch.Generator().manual_seed(6), dtype=torch.float64) * magnitude).to(
+        dtype
+    )
+    y = get_baseline(name).fake_quantize(x)
+    assert torch.isfinite(y).all()
+    if name.startswith(("quarot", "turboquant")) and magnitude < 1e38:
+        assert float((y.double() - x.double()).norm() / x.double().norm()) < 0.02

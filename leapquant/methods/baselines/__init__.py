@@ -82,11 +82,15 @@ def get_baseline(name: str, *, stochastic: bool = False) -> StateFormat | None:
     if family == "kvquant":
         kind, bits, frac = m.groups()
         fraction = 0.01 if frac is None else float(frac)
-        return KVQuant(bits=int(bits), nuq=kind == "nuq", outlier_fraction=fraction, stochastic=stochastic)
-    if family == "quarot":
+        fmt = KVQuant(bits=int(bits), nuq=kind == "nuq", outlier_fraction=fraction, stochastic=stochastic)
+    elif family == "quarot":
         bits, seed = m.groups()
-        return QuaRot(bits=int(bits), seed=int(seed or 0), stochastic=stochastic)
-    if stochastic:
-        raise LeapQuantError(f"{name}: TurboQuant's codebook rounding is deterministic; drop +sr")
-    bits, seed = m.groups()
-    return TurboQuant(bits=int(bits), seed=int(seed or 0))
+        fmt = QuaRot(bits=int(bits), seed=int(seed or 0), stochastic=stochastic)
+    else:
+        if stochastic:
+            raise LeapQuantError(f"{name}: TurboQuant's codebook rounding is deterministic; drop +sr")
+        bits, seed = m.groups()
+        fmt = TurboQuant(bits=int(bits), seed=int(seed or 0))
+    if fmt.name != name:  # one spelling a baseline: tables keyed by name must not list it twice
+        raise LeapQuantError(f"baseline {name!r} is {fmt.name!r}: write it that way")
+    return fmt

@@ -5,7 +5,9 @@ largest-magnitude entries (1% by default, KVQuant's setting) are stored exactly 
 list with a flat index ``i * d_v + j``; they are zeroed in the dense part, which then no longer carries
 their magnitude into its scales.  An outlier costs 16 (value) + 16 (index) bits; heads of more than 2^16
 entries need a 32-bit index, so an outlier costs 48 bits there.  Outlier values beyond fp16's range
-saturate at +-65504 rather than becoming inf.
+saturate at +-65504 rather than becoming inf.  As in KVQuant the outliers are fp16: a state whose
+largest entries are outside fp16's normal range (6e-5 to 65504) loses them (at 1e-8 or 1e5 times a unit
+state, int8's error goes from 0.0065 to 0.2), where the formats' fp32 scales do not care.
 
 Per-channel scales.  KVQuant quantizes keys per channel (one scale per key channel, shared over tokens)
 because key outliers live in fixed channels.  A state ``S = sum_t k_t v_t^T`` sums the token axis away
@@ -19,6 +21,12 @@ per-row scale = amax.  The codebook is symmetric with an exact zero, so it has `
 one code is unused, exactly as in the symmetric integer grid; the two variants differ only in where the
 levels sit.  (NF4 itself is asymmetric, with one extra positive level; at 4 bits our codebook is NF4's
 negative half mirrored.)
+
+Symmetric grids.  Published KVQuant (and QuaRot) quantize the KV cache asymmetrically: a min/max range
+with a zero point and ``2^bits`` levels.  These adaptations use symmetric grids with ``2^bits - 1``
+levels and no zero point, as every format here does (the state is signed and centred): at 4 bits that
+costs some accuracy (Gaussian state: 0.117 against 0.100 relative error; rows with offsets: 0.069
+against 0.031), and saves a zero point per scale (0.25 bits an element at 128x128).
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ import torch
 from ...errors import LeapQuantError
 from ...formats.base import QuantizedState, StateFormat
 from ...formats.elements import IntElement
-from .quarot import check_bool, check_int, check_parts, check_state, safe_divisor
+from .quarot import check_bool, check_int, check_parts, check_state, safe_divisor, stored_scale
 
 __all__ = ["KVQuant", "normal_float_codebook"]
 
@@ -96,7 +104,8 @@ class KVQuant(StateFormat):
     Attributes:
         bits: element width, 2..8.
         nuq: NormalFloat codebook instead of the uniform integer grid.
-        outlier_fraction: share of each head's entries kept exactly, in ``[0, 1)``; the count is rounded up.
+        outlier_fraction: share of each head's entries kept exactly, 0 or in ``[1e-6, 0.5]``; the count
+            is rounded up.
         stochastic: stochastic rounding (unbiased between the two neighbouring grid values).
     """
 
@@ -110,8 +119,10 @@ class KVQuant(StateFormat):
         check_bool("kvquant", "nuq", self.nuq)
         check_bool("kvquant", "stochastic", self.stochastic)
         f = self.outlier_fraction
-        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f < 1:
-            raise LeapQuantError(f"kvquant: outlier_fraction must be a number in [0, 1), got {f!r}")
+        # under 1e-6 a head of 2^18 entries keeps no outlier, and the count rounds to 9 digits before it
+        # is rounded up: such a fraction would silently be 0; past half, the "outliers" are the state
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not (f == 0 or 1e-6 <= f <= 0.5):
+            raise LeapQuantError(f"kvquant: outlier_fraction must be 0 or in [1e-6, 0.5], got {f!r}")
 
     @property
     def name(self) -> str:
@@ -143,13 +154,13 @@ class KVQuant(StateFormat):
         dense = flat.scatter(-1, idx, 0.0).view_as(x)
         amax = dense.abs().amax(dim=-1, keepdim=True)
         if self.nuq:
-            scale = amax.to(torch.float32)
+            scale = stored_scale(amax)
             levels = _nf_torch(self.bits, x.dtype, x.device)
             y = dense / safe_divisor(scale.to(x.dtype))
             grid = _round_codebook(y, levels, self.stochastic, generator)  # indices into levels
         else:
             elem = IntElement(self.bits)
-            scale = (amax / elem.max_value).to(torch.float32)
+            scale = stored_scale(amax / elem.max_value)
             y = dense / safe_divisor(scale.to(x.dtype))
             grid = elem.round(y, stochastic=self.stochastic, generator=generator)
         return idx, values, grid, scale

@@ -8,7 +8,8 @@ network absorbs.  A state ``S`` (``[d_k, d_v]``) has a key side and a value side
 with ``W_n`` the normalized Walsh-Hadamard matrix (entries +-1/sqrt(n)) and ``s`` random +-1 signs drawn
 from ``seed``.  The rotations are fixed functions of ``(dim, seed)``, regenerated on demand and never
 stored, so they cost no bits.  ``S'`` is quantized with a symmetric integer grid and one fp32 scale per
-value column (``col``, reduced over keys); dequantization rotates back, ``S = H_k^T S' H_v``.
+value column (``col``, reduced over keys); dequantization rotates back, ``S = H_k^T S' H_v``.  The grid is
+symmetric with no zero point, where QuaRot's KV cache is asymmetric (see :mod:`.kvquant` for the cost).
 
 Dimensions that are not powers of two have no Sylvester Hadamard matrix.  QuaRot itself composes a
 power-of-two Hadamard with a few hand-tabulated orders (12, 20, 28, ...); we use a seeded Haar-random
@@ -28,6 +29,7 @@ import torch
 from ...errors import LeapQuantError
 from ...formats.base import QuantizedState, StateFormat
 from ...formats.elements import IntElement
+from ...formats.scaled import fp32_scale
 
 __all__ = ["QuaRot", "random_orthogonal", "randomized_hadamard"]
 
@@ -115,6 +117,13 @@ def check_bool(owner: str, field: str, value: object) -> None:
         raise LeapQuantError(f"{owner}: {field} must be a bool, got {value!r}")
 
 
+def stored_scale(scale: torch.Tensor) -> torch.Tensor:
+    """A scale as stored, float32: clamped to its largest finite value (a float64 state past 3.4e38 gave
+    inf, then NaN); NaN where the input was not finite, so that the values it scales decode to NaN."""
+    finite = fp32_scale(scale).to(torch.float32)
+    return torch.where(scale.isfinite(), finite, torch.full_like(finite, float("nan")))
+
+
 def safe_divisor(scale: torch.Tensor) -> torch.Tensor:
     """All-zero channels get scale 0; divide by 1 there so their codes are 0 instead of NaN."""
     return torch.where(scale > 0, scale, torch.ones_like(scale))
@@ -162,7 +171,7 @@ class QuaRot(StateFormat):
         h_k, h_v = self._rotations(x, x.dtype)
         y = h_k @ x @ h_v.T
         elem = IntElement(self.bits)
-        scale = (y.abs().amax(dim=-2, keepdim=True) / elem.max_value).to(torch.float32)
+        scale = stored_scale(y.abs().amax(dim=-2, keepdim=True) / elem.max_value)
         grid = elem.round(
             y / safe_divisor(scale.to(x.dtype)), stochastic=self.stochastic, generator=generator
         )

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from ...formats.base import QuantizedState, StateFormat
-from .quarot import check_int, check_parts, check_state, random_orthogonal, safe_divisor
+from .quarot import check_int, check_parts, check_state, random_orthogonal, safe_divisor, stored_scale
 
 __all__ = ["LloydMaxCodebook", "TurboQuant", "lloyd_max_codebook"]
 
@@ -170,7 +170,8 @@ class TurboQuant(StateFormat):
     def _encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         d_k = x.shape[-2]
         pi = random_orthogonal(d_k, seed=self.seed, dtype=x.dtype, device=x.device)
-        norm = torch.linalg.vector_norm(x, dim=-2, keepdim=True).to(torch.float32)
+        # in float64: a float32 column of entries near 1e19 overflows its norm, one near 1e-30 underflows it
+        norm = stored_scale(torch.linalg.vector_norm(x.double(), dim=-2, keepdim=True))
         y = pi @ (x / safe_divisor(norm.to(x.dtype)))
         _, mids = _torch_codebook(d_k, self.bits, x.dtype, x.device)
         return torch.bucketize(y, mids), norm
