@@ -134,7 +134,7 @@ def test_scores_come_from_decoding_through_each_state(recall_model, monkeypatch)
     7 of 8; rows holding an exact copy of the FP32 state answer exactly as FP32 (every row group decodes
     through its own state), rows whose state is wiped after every token lose the answers, and LeapQuant
     INT8 decodes FP32's answers."""
-    import leapquant.integrations.transformers as hf
+    import leapquant.integrations.row_groups as hf
     from leapquant.eval.recall import score_examples
 
     model, tok = recall_model
