@@ -91,6 +91,12 @@ def test_simulate_says_what_it_cannot_measure(tmp_path, capsys):
     assert main(["simulate", str(path), "-m", "int8", "--quiet", "--json", str(out)]) == 0
     assert "n/a" in capsys.readouterr().out
     assert json.loads(out.read_text())["methods"]["int8"]["output_rel_err"] is None
+    # values all zero: no reference state either, and the plot skips those points (it raised on None)
+    zero = save_trace(tmp_path / "z.npz", Records(a=rec.a, k=rec.k, b=rec.b, v=rec.v * 0, q=rec.q))
+    plot = tmp_path / "z.png"
+    argv = ["simulate", str(zero), "-m", "int8", "--quiet", "--json", str(out), "--plot", str(plot)]
+    assert main(argv) == 0
+    assert json.loads(out.read_text())["methods"]["int8"]["final_state_rel_err"] is None and plot.is_file()
 
 
 def test_single_stream_trace_without_stream_axis(tmp_path):

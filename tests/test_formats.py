@@ -265,7 +265,12 @@ def test_dequantize_to_a_narrow_dtype_rounds_only_the_values(name, dtype):
     x[:, 2] = 40.0 * torch.linspace(-1, 1, 64)
     f = get_format(name)
     q = f.quantize(x)
-    assert torch.equal(bits(f.dequantize(q, dtype)), bits(f.dequantize(q, F32).to(dtype)))
+    narrow = f.dequantize(q, dtype)
+    assert torch.equal(bits(narrow), bits(f.dequantize(q, F32).to(dtype)))
+    # where column 0 has scales of its own, its 1e-5 values survive (mxfp8's came back all zero); shared
+    # scales (tensor, row, nvfp's per-head one) and plain fp8 casts cannot hold them in the first place
+    if not any(t in name for t in ("-tensor", "-row", "nvfp", "-none")):
+        assert narrow[:, 0].abs().max() > 5e-6
     with pytest.raises(LeapQuantError, match="floating-point dtype"):
         f.dequantize(q, torch.int32)
 

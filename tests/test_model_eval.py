@@ -10,15 +10,8 @@ import torch
 
 from leapquant.cli.main import main
 from leapquant.errors import LeapQuantError
-from leapquant.eval.model_eval import (
-    EvalConfig,
-    evaluate_model,
-    kl_cell,
-    load_model,
-    metrics_after,
-    nonfinite_by,
-    stdlib_text,
-)
+from leapquant.eval.eval_report import kl_cell, metrics_after, nonfinite_by
+from leapquant.eval.model_eval import EvalConfig, evaluate_model, load_model, stdlib_text
 from leapquant.traces import load_trace
 
 

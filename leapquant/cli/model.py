@@ -188,7 +188,7 @@ def _int_list(text: str | None, what: str) -> list[int] | None:
 def _print_eval_table(report: dict, model: str, config) -> None:
     from rich.table import Table
 
-    from ..eval.model_eval import methods_table_rows
+    from ..eval.eval_report import methods_table_rows
     from .simulate import console
 
     partial = "" if report.get("complete", True) else f" (interrupted: {report['tokens']} of {config.tokens})"
@@ -291,7 +291,7 @@ def run_eval(args: argparse.Namespace) -> int:
 
 def eval_markdown(report: dict) -> str:
     """A markdown table of one evaluation report."""
-    from ..eval.model_eval import kl_cell
+    from ..eval.eval_report import kl_cell
 
     prov = report.get("provenance", {})
     done = "" if report.get("complete", True) else " (cut short: partial report)"
@@ -323,7 +323,7 @@ def eval_markdown(report: dict) -> str:
 
 def after_markdown(report: dict, after: int) -> str:
     """A markdown table of KL and top-1 agreement over the tokens after the first ``after``."""
-    from ..eval.model_eval import metrics_after
+    from ..eval.eval_report import metrics_after
 
     rows = metrics_after(report, after)
     first = next(iter(rows.values()))
@@ -364,7 +364,7 @@ def run_eval_report(args: argparse.Namespace) -> int:
         raise LeapQuantError("--plot draws one report: give one JSON (or several with --merge)")
     try:
         if args.merge:
-            from ..eval.model_eval import merge_reports
+            from ..eval.eval_report import merge_reports
 
             reports = [merge_reports(reports)]
         markdown = [eval_markdown(report) for report in reports]

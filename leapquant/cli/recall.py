@@ -227,9 +227,14 @@ def merge_recall(reports: list[dict]) -> dict:
                 if not isinstance(value, dict):
                     # one name, one configuration: the same plan path on two machines may hold two plans
                     if key in into and into[key] != value:
+                        hint = (
+                            " (reports before 2026-12-07 counted all heads as 128x128: rerun the older one)"
+                            if key == "bytes_per_element"
+                            else ""
+                        )
                         raise LeapQuantError(
                             f"merge: method {name!r} has {key} {into[key]!r} in one report and {value!r} "
-                            "in another"
+                            f"in another{hint}"
                         )
                     into[key] = value
                     continue

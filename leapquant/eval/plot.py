@@ -40,7 +40,7 @@ def plot_state_error(report: dict, path: str | Path, title: str | None = None) -
     fig, ax = plt.subplots(figsize=(10.0, 4.8), dpi=130)
     colors = plt.get_cmap("tab20").colors + plt.get_cmap("tab20b").colors
     for i, (name, row) in enumerate(rows.items()):
-        points = [(s, e) for s, e in row["state_rel_err"] if e > 0]
+        points = [(s, e) for s, e in row["state_rel_err"] if e is not None and e > 0]  # None: no reference
         if not points:
             continue
         steps, errs = zip(*points)
@@ -121,7 +121,7 @@ def plot_kl_curves(
     import matplotlib.pyplot as plt
 
     from ..errors import LeapQuantError
-    from .model_eval import first_nonfinite
+    from .eval_report import first_nonfinite
 
     panels: dict[str, dict[str, tuple[list[int], list[float], dict]]] = {}
     for report in reports:

@@ -51,7 +51,8 @@ class StateFormat(ABC):
     """A way to store a ``[..., d_k, d_v]`` state.
 
     Subclasses are small frozen dataclasses.  ``quantize`` returns the stored representation,
-    ``dequantize`` inverts it, ``bits_per_element`` is the exact storage cost including every scale.
+    ``_dequantize`` inverts it in float32 or float64 (``dequantize`` checks the dtype and casts),
+    ``bits_per_element`` is the exact storage cost including every scale.
     """
 
     name: str

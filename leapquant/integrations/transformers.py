@@ -32,6 +32,7 @@ plan's method for that layer (``leapquant calibrate`` writes one).
 from __future__ import annotations
 
 import contextvars
+import copy
 import os
 import sys
 import weakref
@@ -134,8 +135,27 @@ def _dispatcher(original: Callable, chunked: bool) -> Callable:
     return dispatch
 
 
-# -- per-layer state --------------------------------------------------------------------------------
-# -- per-layer state: row_groups.RowGroups ----------------------------------------------------------
+# -- per-layer state (row_groups.RowGroups) and the patched layers -----------------------------------
+
+
+class _StateStore(dict):
+    """A cache's ``{layer_idx: RowGroups}`` (``cache._leapquant_states``).  A deep copy of the cache (to
+    reuse a prompt) registers the copy with the patches owning its states, so unpatch() reaches it too."""
+
+    def __init__(self, cache) -> None:
+        super().__init__()
+        self._cache = weakref.ref(cache)
+
+    def __deepcopy__(self, memo: dict) -> _StateStore:
+        new_cache = memo.get(id(self._cache()))  # copy.deepcopy(cache) made the new cache first
+        new = _StateStore.__new__(_StateStore)
+        memo[id(self)] = new
+        new._cache = self._cache if new_cache is None else weakref.ref(new_cache)
+        for idx, groups in self.items():
+            new[idx] = copy.deepcopy(groups, memo)
+            if new_cache is not None and groups.owner in _LIVE_PATCHES:
+                groups.owner._caches.add(new_cache)
+        return new
 
 
 def _followed(cache, layer_idx: int, groups: RowGroups) -> RowGroups:
@@ -192,7 +212,9 @@ class _PatchedLayer:
                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                 **kwargs,
             )
-        store = cache.__dict__.setdefault(_STATES_ATTR, {})
+        store = cache.__dict__.get(_STATES_ATTR)
+        if store is None:
+            store = cache.__dict__[_STATES_ATTR] = _StateStore(cache)
         self.patched._caches.add(cache)
         groups = store.get(self.layer_idx)
         if groups is None and initial_state is not None:

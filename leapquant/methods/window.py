@@ -49,7 +49,9 @@ def balance_for_fp16(k: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, to
     its ``K`` column where ``U`` would pass fp16's 65504: ``U = S^T K`` grows with the state (linear attention
     without decay grows with the context), and saturated tokens stop taking the outliers out of the residual.
     ``K`` has unit columns, so the pair fits while ``|U| < 2^30``; the product ``K U^T`` is unchanged (powers
-    of two scale exactly).  The kernels' families (GDN, KDA) keep unit keys: their states stay bounded."""
+    of two scale exactly).  The kernels' families (GDN, KDA) keep unit keys: their states stay bounded, and
+    the kernels do not balance, so ``simulate --backend triton`` departs from the reference where a trace's
+    ``|U|`` reaches 2^15."""
     amax = u.abs().amax(dim=-2, keepdim=True)
     shift = (torch.floor(torch.log2(amax.clamp_min(1.0))) - _FP16_HEADROOM_EXP).clamp_min(0)
     if not bool((shift > 0).any()):

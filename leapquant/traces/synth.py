@@ -127,4 +127,4 @@ def synthesize(cfg: SynthConfig) -> Trace:
         records = kda_records(q, k, v, g.permute(1, 0, 2).unsqueeze(0), beta, use_qk_l2norm_in_kernel=True)
     records = records.flatten()
     meta = {"synthetic": True, **{f: getattr(cfg, f) for f in cfg.__dataclass_fields__}}
-    return Trace(records=records, initial_state=None, meta=meta, name=f"synth-{cfg.family}")
+    return Trace(records=records, initial_state=None, meta=meta, name=f"synth-{cfg.family}-seed{cfg.seed}")
