@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import tiny_model
+from tiny_models import dense_states, tiny_model
 
 import leapquant
 from leapquant import LeapQuantError
 from leapquant.integrations import linear_attention_layers
-
-
-def _dense_states(model, cache) -> dict[int, torch.Tensor]:
-    return {idx: cache.layers[idx].recurrent_states[0].float() for idx, _ in linear_attention_layers(model)}
 
 
 @pytest.mark.parametrize("arch", ["qwen3_5", "kimi_linear"])
@@ -45,7 +41,7 @@ def test_copies_of_a_cache_and_of_a_patched_model(arch):
     with pytest.raises(LeapQuantError, match="a patched model cannot be copied"):
         copy.deepcopy(model)
     leapquant.unpatch(model)
-    for idx, state in _dense_states(model, unused).items():
+    for idx, state in dense_states(model, unused).items():
         assert torch.equal(state, want[idx])
 
 
@@ -75,8 +71,8 @@ def test_unpatch_gives_every_cache_its_states_back(arch):
             for idx, state in dense.items():
                 assert torch.equal(state, before[idx][order])
             leapquant.unpatch(model)
-            assert _dense_states(model, cache).keys() == dense.keys()
-            for idx, state in _dense_states(model, cache).items():
+            assert dense_states(model, cache).keys() == dense.keys()
+            for idx, state in dense_states(model, cache).items():
                 assert torch.equal(state, dense[idx])
             got = model(ids[order, 9:10], past_key_values=cache, use_cache=True).logits
         assert torch.isfinite(got).all()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import ARCHS, tiny_model
+from tiny_models import ARCHS, dense_states, tiny_model
 
 import leapquant
 from leapquant import LeapQuantError
@@ -23,10 +23,6 @@ def _teacher_forced(model, ids: torch.Tensor, prefill: int):
             out = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
             logits.append(out.logits[:, -1])
     return torch.stack(logits, 1), cache
-
-
-def _dense_states(model, cache) -> dict[int, torch.Tensor]:
-    return {idx: cache.layers[idx].recurrent_states[0].float() for idx, _ in linear_attention_layers(model)}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -50,7 +46,7 @@ def test_leapquant_state_tracks_fp32(arch):
     model = tiny_model(arch, d=32, decay_scale=0.05)
     ids = torch.randint(3, 64, (2, 40), generator=torch.Generator().manual_seed(2))
     ref_logits, ref_cache = _teacher_forced(model, ids, 8)
-    ref_states = _dense_states(model, ref_cache)
+    ref_states = dense_states(model, ref_cache)
     patched = leapquant.patch(model, "leapquant-int8", backend="reference64")
     logits, cache = _teacher_forced(model, ids, 8)
     states = patched.states(cache)
@@ -65,7 +61,7 @@ def test_per_step_int8_drifts_more_than_leapquant():
     model = tiny_model("qwen3_5", d=32, decay_scale=0.02)
     ids = torch.randint(3, 64, (1, 8 + 96), generator=torch.Generator().manual_seed(3))
     _, ref_cache = _teacher_forced(model, ids, 8)
-    ref = _dense_states(model, ref_cache)
+    ref = dense_states(model, ref_cache)
     errs = {}
     for method in ("int8", "leapquant-int8"):
         patched = leapquant.patch(model, method, backend="reference64")
@@ -599,4 +595,3 @@ def test_auto_backend_keeps_heads_the_kernels_cannot_tile_on_the_reference(d_k, 
     else:
         with pytest.raises(LeapQuantError, match=r"backend 'triton'.*not a power of two"):
             make_state(parse_method("leapquant-int8"), backend="triton", **args)
-

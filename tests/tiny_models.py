@@ -97,3 +97,10 @@ def tiny_model(arch: str, *, seed: int = 0, d: int = 16, value_groups: int = 2, 
 
 
 ARCHS = ("qwen3_5", "qwen3_5_vl", "qwen3_5_moe", "qwen3_next", "kimi_linear")
+
+
+def dense_states(model, cache) -> dict[int, torch.Tensor]:
+    """Each linear-attention layer's dense state in ``cache`` (fp32), as the unpatched model keeps it."""
+    from leapquant.integrations import linear_attention_layers
+
+    return {idx: cache.layers[idx].recurrent_states[0].float() for idx, _ in linear_attention_layers(model)}

@@ -83,9 +83,10 @@ def _replay_kernels(
 
     Runs on the GPU when there is one, else on the CPU through the Triton interpreter (slow: small traces).
     """
+    from ..ops import kernel_unsupported
     from ..ops.leapquant_decode import leapquant_step_records, load_states, materialize_states
-    from ..ops.per_step_decode import PerStepPool, per_step_records, per_step_unsupported
-    from ..ops.pool import LeapQuantPool, PoolConfig, pool_unsupported
+    from ..ops.per_step_decode import PerStepPool, per_step_records
+    from ..ops.pool import LeapQuantPool, PoolConfig
 
     rec = trace.records
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -93,7 +94,7 @@ def _replay_kernels(
     slots = torch.zeros(1, dtype=torch.int32, device=device)
     s0 = trace.initial_state
     per_step = config.window == 1
-    reason = per_step_unsupported(config) if per_step else pool_unsupported(config)
+    reason = kernel_unsupported(config)
     if reason is not None:
         raise LeapQuantError(f"no Triton kernel for {config.name!r}: {reason}")
     if per_step:
@@ -288,12 +289,11 @@ def simulate(
 
 def _check_kernels(configs: Mapping[str, MethodConfig], traces: Sequence[Trace]) -> None:
     """Every method has a kernel and every trace's heads tile, before any trajectory is computed."""
+    from ..ops import kernel_unsupported
     from ..ops.checks import untileable_head_dims
-    from ..ops.per_step_decode import per_step_unsupported
-    from ..ops.pool import pool_unsupported
 
     for name, cfg in configs.items():
-        reason = per_step_unsupported(cfg) if cfg.window == 1 else pool_unsupported(cfg)
+        reason = kernel_unsupported(cfg)
         if reason is not None:
             raise LeapQuantError(f"simulate: no Triton kernel for {name!r}: {reason}")
     for trace in traces:

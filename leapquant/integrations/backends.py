@@ -256,12 +256,9 @@ class KernelState:
     @staticmethod
     def unsupported(method: MethodConfig) -> str | None:
         """Why no kernel runs ``method`` (``None``: a per-step or a LeapQuant pool does)."""
-        from ..ops.per_step_decode import per_step_unsupported
-        from ..ops.pool import pool_unsupported
+        from ..ops import kernel_unsupported
 
-        if method.window == 1:
-            return per_step_unsupported(method)
-        return pool_unsupported(method)
+        return kernel_unsupported(method)
 
     __deepcopy__ = _copy_without_graphs
 

@@ -191,10 +191,13 @@ class _PatchedLayer:
     def restore(self) -> None:
         self.module.forward = self.original_forward
 
-    def _new_groups(self, state: torch.Tensor) -> RowGroups:
-        """This patch's states for the dense ``state [B, HV, K, V]`` (fp32)."""
+    def _new_groups(self, cache, store: _StateStore, state: torch.Tensor) -> RowGroups:
+        """This patch's states for the dense ``state [B, HV, K, V]`` (fp32), kept in ``cache``'s store; the
+        patch learns of the cache here, once, rather than at every step (unpatch writes states back)."""
         recurrent = sys.modules[type(self.module).__module__].__dict__[self.kind.recurrent_fn].__wrapped__
-        return RowGroups(self.patched, self.layer_idx, self.kind, recurrent, state)
+        groups = store[self.layer_idx] = RowGroups(self.patched, self.layer_idx, self.kind, recurrent, state)
+        self.patched._caches.add(cache)
+        return groups
 
     def run(self, original, chunked, cache, query, key, value, *, g, beta, initial_state=None,
             output_final_state=False, use_qk_l2norm_in_kernel=False, **kwargs):  # fmt: skip
@@ -215,7 +218,6 @@ class _PatchedLayer:
         store = cache.__dict__.get(_STATES_ATTR)
         if store is None:
             store = cache.__dict__[_STATES_ATTR] = _StateStore(cache)
-        self.patched._caches.add(cache)
         groups = store.get(self.layer_idx)
         if groups is None and initial_state is not None:
             # a cache filled before this patch (or by the unpatched model) holds the dense state: it is the
@@ -224,9 +226,8 @@ class _PatchedLayer:
                 raise LeapQuantError(
                     "this cache's linear-attention state was written by a patch whose states it lost"
                 )
-            groups = self._new_groups(initial_state.float())
+            groups = self._new_groups(cache, store, initial_state.float())
             groups.handle_seen = initial_state  # its rows are in batch order: nothing to select
-            store[self.layer_idx] = groups
         if initial_state is None:
             if not chunked:
                 raise LeapQuantError("a decode step reached a patched layer without a prefilled state")
@@ -241,8 +242,7 @@ class _PatchedLayer:
                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                 **kwargs,
             )
-            groups = self._new_groups(final.float())
-            store[self.layer_idx] = groups
+            self._new_groups(cache, store, final.float())
             return out, _row_handle(query.shape[0], query.device)
         if kwargs.get("cu_seqlens") is not None:
             raise LeapQuantError(
@@ -253,9 +253,8 @@ class _PatchedLayer:
         if groups.owner is not self.patched:
             # states an earlier patch of the model left in this cache: read back as dense rows, they are
             # the hand-off to this patch's methods (as a cache filled before any patch, above)
-            groups = self._new_groups(groups.materialize())
+            groups = self._new_groups(cache, store, groups.materialize())
             groups.handle_seen = initial_state
-            store[self.layer_idx] = groups
         out = groups.step_chunk(query, key, value, g, beta, use_qk_l2norm_in_kernel, out_dtype=query.dtype)
         return out, _row_handle(query.shape[0], query.device)
 

@@ -262,9 +262,7 @@ def parse_method(name: str) -> MethodConfig:
                 "+recbf16, +rec32, +sr)"
                 + did_you_mean(opt, ("smooth", "ls", "svd", "sr", "rec16", "recbf16", "rec32"))
             )
-        kind = (
-            re.sub(r"\d+$", "", opt) if opt.startswith(("ct", "it")) else opt[:3] if opt[:3] == "rec" else opt
-        )
+        kind = "ct" if m.group(2) else "it" if m.group(3) else "rec" if m.group(4) else opt
         if kind in seen:  # "+ct4+ct2" kept the last one silently
             label = {"ct": "+ctR", "it": "+itN", "rec": "+rec16/bf16/32"}.get(kind, f"+{kind}")
             raise LeapQuantError(f"method {name!r}: {label} is given twice")

@@ -64,11 +64,7 @@ def save_trace(
     existing folder."""
     flat = records.flatten() if records.k.ndim > 2 else records
     # always [S, T, d] (a single stream too), so that S0 [S, d_k, d_v] reads back with the records
-    arrays = {
-        n: getattr(flat, n).detach().cpu().reshape(-1, *flat.k.shape[-2:]).numpy()
-        for n in ("a", "k", "b", "q")
-    }
-    arrays["v"] = flat.v.detach().cpu().reshape(-1, *flat.v.shape[-2:]).numpy()
+    arrays = {n: (x := getattr(flat, n)).detach().cpu().reshape(-1, *x.shape[-2:]).numpy() for n in _REQUIRED}
     if initial_state is not None:
         arrays["S0"] = initial_state.reshape(-1, *initial_state.shape[-2:]).detach().cpu().numpy()
     if records.emit is not None:
