@@ -6,8 +6,8 @@ list with a flat index ``i * d_v + j``; they are zeroed in the dense part, which
 their magnitude into its scales.  An outlier costs 16 (value) + 16 (index) bits; heads of more than 2^16
 entries need a 32-bit index, so an outlier costs 48 bits there.  Outlier values beyond fp16's range
 saturate at +-65504 rather than becoming inf.  As in KVQuant the outliers are fp16: a state whose
-largest entries are outside fp16's normal range (6e-5 to 65504) loses them (at 1e-8 or 1e5 times a unit
-state, int8's error goes from 0.0065 to 0.2), where the formats' fp32 scales do not care.
+largest entries are outside fp16's normal range (6e-5 to 65504) loses them, where the formats' fp32
+scales do not care.
 
 Per-channel scales.  KVQuant quantizes keys per channel (one scale per key channel, shared over tokens)
 because key outliers live in fixed channels.  A state ``S = sum_t k_t v_t^T`` sums the token axis away
@@ -24,9 +24,9 @@ negative half mirrored.)
 
 Symmetric grids.  Published KVQuant (and QuaRot) quantize the KV cache asymmetrically: a min/max range
 with a zero point and ``2^bits`` levels.  These adaptations use symmetric grids with ``2^bits - 1``
-levels and no zero point, as every format here does (the state is signed and centred): at 4 bits that
-costs some accuracy (Gaussian state: 0.117 against 0.100 relative error; rows with offsets: 0.069
-against 0.031), and saves a zero point per scale (0.25 bits an element at 128x128).
+levels and no zero point, as every format here does (the state is signed and centred): one level fewer,
+and no use of a row's offset, cost some accuracy at 4 bits; a zero point per scale would cost 0.25 bits an
+element at 128x128.
 """
 
 from __future__ import annotations
