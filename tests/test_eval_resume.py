@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from tiny_models import KERNEL_DEVICE
 
 from leapquant.cli.main import main
 from leapquant.errors import LeapQuantError
@@ -56,7 +57,7 @@ def test_a_resumed_run_equals_one_that_never_stopped(name, tmp_path):
 
 
 def test_a_resumed_kernel_pool_equals_one_that_never_stopped(tmp_path):
-    model, tok = load_model("qwen35-gdn-tiny-recall-byte", "cpu")
+    model, tok = load_model("qwen35-gdn-tiny-recall-byte", KERNEL_DEVICE)
     cfg = EvalConfig(methods=("leapquant-int8",), tokens=36, prefill=8, curve_points=3, backend="triton")
     straight = evaluate_model(model, tok, cfg)
     _same_scores(straight, _in_three_calls(model, tok, cfg, tmp_path / "run.pt"))

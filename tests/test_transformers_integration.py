@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import ARCHS, dense_states, tiny_model
+from tiny_models import ARCHS, KERNEL_DEVICE, dense_states, tiny_model
 
 import leapquant
 from leapquant import LeapQuantError
@@ -199,8 +199,8 @@ def test_a_new_patch_takes_over_the_states_an_earlier_patch_left(arch):
 
 
 def test_triton_backend_matches_reference():
-    model = tiny_model("qwen3_5", d=16)
-    ids = torch.randint(3, 64, (2, 14), generator=torch.Generator().manual_seed(7))
+    model = tiny_model("qwen3_5", d=16).to(KERNEL_DEVICE)
+    ids = torch.randint(3, 64, (2, 14), generator=torch.Generator().manual_seed(7)).to(KERNEL_DEVICE)
     leapquant.patch(model, "int8/w4+ct2+smooth", backend="reference")
     ref, _ = _teacher_forced(model, ids, 6)
     leapquant.patch(model, "int8/w4+ct2+smooth", backend="triton")
@@ -366,8 +366,8 @@ def test_patch_graphs_setting_reaches_every_state(graphs):
 
     from leapquant.integrations.backends import KernelState
 
-    model = tiny_model("qwen3_5", d=16)
-    ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(0))
+    model = tiny_model("qwen3_5", d=16).to(KERNEL_DEVICE)
+    ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(0)).to(KERNEL_DEVICE)
     cache = DynamicCache(config=model.config)
     patched = leapquant.patch(model, "int8/w4+ct2+smooth", backend="triton", graphs=graphs)
     model(ids, past_key_values=cache, use_cache=True)
@@ -565,8 +565,9 @@ def test_only_kernel_pools_may_run_inside_a_callers_graph(method, backend, captu
     ``torch.cuda.is_current_stream_capturing()``)."""
     from transformers import DynamicCache
 
-    model = tiny_model("qwen3_5", d=16)
-    ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(1))
+    device = KERNEL_DEVICE if backend == "triton" else "cpu"  # on a GPU "auto" would pick a kernel pool
+    model = tiny_model("qwen3_5", d=16).to(device)
+    ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(1)).to(device)
     cache = DynamicCache(config=model.config)
     patched = leapquant.patch(model, method, backend=backend)
     model(ids, past_key_values=cache, use_cache=True)
@@ -595,3 +596,24 @@ def test_auto_backend_keeps_heads_the_kernels_cannot_tile_on_the_reference(d_k, 
     else:
         with pytest.raises(LeapQuantError, match=r"backend 'triton'.*not a power of two"):
             make_state(parse_method("leapquant-int8"), backend="triton", **args)
+
+
+def test_triton_backend_on_cpu_tensors_without_the_interpreter_is_refused_by_name(monkeypatch):
+    """Compiled Triton kernels take CUDA tensors only: on the CPU without ``TRITON_INTERPRET=1`` the
+    ``triton`` backend is refused before anything runs, not with Triton's pointer error mid-step (a GPU
+    machine running a CPU model); ``auto`` keeps such tensors on the reference."""
+    from leapquant.integrations.backends import KernelState, make_state
+    from leapquant.methods.config import parse_method
+    from leapquant.ops.checks import use_triton
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    args = dict(device=torch.device("cpu"), decay="scalar", recurrent_fn=None, head_dims=(128, 128))
+    with pytest.raises(LeapQuantError, match="the kernels take CUDA tensors, these are on cpu"):
+        make_state(parse_method("leapquant-int8"), backend="triton", **args)
+    with pytest.raises(LeapQuantError, match="TRITON_INTERPRET=1"):
+        use_triton(torch.device("cpu"), "triton")
+    assert not isinstance(make_state(parse_method("leapquant-int8"), backend="auto", **args), KernelState)
+    assert use_triton(torch.device("cpu"), "auto") is False
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert isinstance(make_state(parse_method("leapquant-int8"), backend="triton", **args), KernelState)
+    assert use_triton(torch.device("cpu"), "triton") is True

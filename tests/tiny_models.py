@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import torch
 
+# Where tests run the Triton kernels on a model: the GPU when there is one; otherwise the CPU, through the
+# interpreter conftest.py turns on (compiled kernels take CUDA tensors only).
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 LAYERS = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
 
 

@@ -13,6 +13,8 @@ from collections.abc import Callable
 
 import torch
 
+from ..ops.graphs import clear_failed_capture
+
 __all__ = [
     "capture_graph",
     "copy_bandwidth",
@@ -69,7 +71,7 @@ def capture_graph(fn: Callable[[], None]):
         with torch.cuda.graph(graph):
             fn()
     except RuntimeError:
-        torch.cuda.synchronize()
+        clear_failed_capture()
         return None
     return graph
 

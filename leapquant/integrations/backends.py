@@ -28,6 +28,7 @@ import torch
 
 from ..errors import LeapQuantError
 from ..methods import MethodConfig, WindowedState
+from ..ops.graphs import clear_failed_capture
 
 __all__ = ["DequantizedState", "KernelState", "NativeState", "ReferenceState", "make_state"]
 
@@ -174,9 +175,10 @@ def _capture(fn: Callable, static_in: tuple, warmup: int = 0):
             finally:
                 graph.capture_end()
     except RuntimeError:
-        return False
-    finally:
         torch.cuda.current_stream(device).wait_stream(side)
+        clear_failed_capture(device)
+        return False
+    torch.cuda.current_stream(device).wait_stream(side)
     return graph, static_in, static_out
 
 
@@ -398,7 +400,7 @@ def make_state(
     kernels cannot tile (sizes that are not powers of two) on the reference, and ``"triton"`` refuses them
     here rather than at the first load.
     """
-    from ..ops.checks import untileable_head_dims
+    from ..ops.checks import triton_cannot_run_on, untileable_head_dims
 
     if config.name == "fp32":
         return NativeState(recurrent_fn)
@@ -415,6 +417,8 @@ def make_state(
         reason = KernelState.unsupported(config)
         if reason is not None:
             raise LeapQuantError(f"backend 'triton': no kernel for method {config.name!r}: {reason}")
+        if (problem := triton_cannot_run_on(device)) is not None:
+            raise LeapQuantError(f"backend 'triton': {problem}")
         return KernelState(config, decay, graphs=graphs)
     if backend in ("reference", "reference64"):
         return ReferenceState(config, dtype=torch.float64 if backend == "reference64" else torch.float32)

@@ -16,6 +16,7 @@ __all__ = [
     "check_step_inputs",
     "check_token",
     "pow2",
+    "triton_cannot_run_on",
     "untileable_head_dims",
     "use_triton",
 ]
@@ -29,8 +30,23 @@ def use_triton(device: torch.device, backend: str) -> bool:
     if backend not in BACKENDS:
         raise LeapQuantError(f"unknown backend {backend!r}: use {', '.join(BACKENDS)}")
     if backend == "auto":
-        return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+        return triton_cannot_run_on(device) is None
+    if backend == "triton" and (problem := triton_cannot_run_on(device)) is not None:
+        raise LeapQuantError(f"backend 'triton': {problem}")
     return backend == "triton"
+
+
+def triton_cannot_run_on(device: torch.device) -> str | None:
+    """Why the Triton kernels cannot run on tensors on ``device`` (``None``: they can): compiled kernels
+    take CUDA tensors only, and CPU tensors need the interpreter, which Triton reads from
+    ``TRITON_INTERPRET`` when it is first imported (``tests/conftest.py`` sets it on machines without a
+    GPU)."""
+    if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return None
+    return (
+        f"the kernels take CUDA tensors, these are on {device}: move the model or pool to a GPU, set "
+        "TRITON_INTERPRET=1 before Triton is imported (the CPU interpreter: slow), or use backend 'reference'"
+    )
 
 
 def pow2(n: int, floor: int = 1) -> int:
