@@ -360,3 +360,25 @@ def test_version_and_a_reader_that_leaves_early(capsys):
         f'{sys.executable} -c "{code}" | head -c 10', shell=True, capture_output=True, text=True, check=True
     )
     assert len(pipe.stdout) == 10 and "Traceback" not in pipe.stderr and "BrokenPipe" not in pipe.stderr
+
+
+@pytest.mark.parametrize("method", ["leapquant-int8", "int8"], ids=["pool", "per-step"])
+def test_simulate_api_with_triton_on_cpu_tensors_without_the_interpreter_is_refused(
+    tmp_path, method, monkeypatch
+):
+    """``simulate(..., backend="triton")`` from Python ran the torch reference where Triton could not run
+    and still reported ``backend: triton``; the kernels' device check now refuses it."""
+    from leapquant.errors import LeapQuantError
+    from leapquant.eval.simulate import simulate
+    from leapquant.traces.io import load_trace
+
+    trace = tmp_path / "t.npz"
+    assert (
+        main(["synth", "--streams", "1", "--tokens", "8", "--dk", "16", "--dv", "16", "--out", str(trace)])
+        == 0
+    )
+    if torch.cuda.is_available():
+        pytest.skip("simulate runs its kernels on the GPU here")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(LeapQuantError, match="the kernels take CUDA tensors"):
+        simulate([load_trace(trace)], [method], backend="triton")

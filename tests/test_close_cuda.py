@@ -102,7 +102,7 @@ def test_cuda_close_on_a_cpu_pool_is_an_error_not_a_fallback():
     before = {name: t.clone() for name, t in pool.tensors.items()}
     slots = torch.tensor([0, 1], dtype=torch.int32)
     q, k, v = (torch.randn(2, 2, 32) for _ in range(3))
-    # without the interpreter (a GPU machine) Triton itself refuses CPU tensors first
+    # without the interpreter (a GPU machine) the Triton device check refuses CPU tensors first
     refused = "close_impl='cuda' does not apply: the pool is not on a GPU|the kernels take CUDA tensors"
     with pytest.raises(LeapQuantError, match=refused):
         leapquant_decode(pool, slots, q, k, v, -torch.rand(2, 2), torch.rand(2, 2), backend="triton",

@@ -67,10 +67,13 @@ def capture_graph(fn: Callable[[], None]):
         fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
+    caller = torch.cuda.current_stream()
     try:
         with torch.cuda.graph(graph):
             fn()
     except RuntimeError:
+        # the context leaves this thread on its capture stream when ending the capture raises
+        torch.cuda.set_stream(caller)
         clear_failed_capture()
         return None
     return graph

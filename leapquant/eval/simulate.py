@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -101,12 +102,13 @@ def _replay_kernels(
         pool = PerStepPool.allocate(config.codec, 1, s, d_k, d_v, device)
         if s0 is not None:
             pool.load(slots, s0[None].float().to(device))
-        step_fn, read_fn = per_step_records, lambda: pool.materialize(slots)[0]
+        step_fn, read_fn = partial(per_step_records, backend="triton"), lambda: pool.materialize(slots)[0]
     else:
         pool = LeapQuantPool.allocate(PoolConfig(config, s, d_k, d_v, "vector"), 1, device)
         if s0 is not None:
-            load_states(pool, slots, s0[None].float().to(device))
-        step_fn, read_fn = leapquant_step_records, lambda: materialize_states(pool, slots)[0]
+            load_states(pool, slots, s0[None].float().to(device), backend="triton")
+        step_fn = partial(leapquant_step_records, backend="triton")  # refused where Triton cannot run
+        read_fn = lambda: materialize_states(pool, slots, backend="triton")[0]  # noqa: E731
     # log decays; a decay of exactly 0 (a hard reset) becomes e^-69, which is 0 after one more product
     g_all = rec.a.clamp_min(1e-30).log().float().to(device)
     x = {n: getattr(rec, n).float().to(device) for n in ("k", "b", "v", "q")}

@@ -175,10 +175,10 @@ def _capture(fn: Callable, static_in: tuple, warmup: int = 0):
             finally:
                 graph.capture_end()
     except RuntimeError:
-        torch.cuda.current_stream(device).wait_stream(side)
-        clear_failed_capture(device)
+        clear_failed_capture(device)  # synchronizes the device first
         return False
-    torch.cuda.current_stream(device).wait_stream(side)
+    finally:
+        torch.cuda.current_stream(device).wait_stream(side)
     return graph, static_in, static_out
 
 

@@ -26,7 +26,8 @@ BACKENDS = ("auto", "triton", "reference")
 
 def use_triton(device: torch.device, backend: str) -> bool:
     """Whether the Triton kernels run for a pool on ``device``: ``backend="auto"`` picks them on a GPU or
-    under ``TRITON_INTERPRET=1``, the torch reference otherwise."""
+    under ``TRITON_INTERPRET=1``, the torch reference otherwise; ``"triton"`` raises where they cannot run
+    (:func:`triton_cannot_run_on`)."""
     if backend not in BACKENDS:
         raise LeapQuantError(f"unknown backend {backend!r}: use {', '.join(BACKENDS)}")
     if backend == "auto":
@@ -39,13 +40,14 @@ def use_triton(device: torch.device, backend: str) -> bool:
 def triton_cannot_run_on(device: torch.device) -> str | None:
     """Why the Triton kernels cannot run on tensors on ``device`` (``None``: they can): compiled kernels
     take CUDA tensors only, and CPU tensors need the interpreter, which Triton reads from
-    ``TRITON_INTERPRET`` when it is first imported (``tests/conftest.py`` sets it on machines without a
-    GPU)."""
+    ``TRITON_INTERPRET`` when each kernel is defined, i.e. when leapquant's kernel modules are first
+    imported (``tests/conftest.py`` sets it on machines without a GPU; ``simulate --backend triton`` before
+    any import)."""
     if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return None
     return (
-        f"the kernels take CUDA tensors, these are on {device}: move the model or pool to a GPU, set "
-        "TRITON_INTERPRET=1 before Triton is imported (the CPU interpreter: slow), or use backend 'reference'"
+        f"the kernels take CUDA tensors, these are on {device}: move the model or pool to a GPU, start "
+        "Python with TRITON_INTERPRET=1 (the CPU interpreter: slow), or use backend 'reference'"
     )
 
 

@@ -4,9 +4,11 @@ A capture that runs a random op (``torch.rand``, dropout, sampling) and then fai
 synchronisation, ends without the generator's capture epilogue: torch's default CUDA generator keeps the
 offset it counted for the graph that never ended, and the next random op outside a capture raises
 "Offset increment outside graph capture encountered unexpectedly" (a later ``generate()`` that samples, a
-benchmark that builds random inputs).  torch clears that count only when a capture begins, so the
-callers that fall back to eager launches after a failed capture (``bench/timing.py``,
-``integrations/backends.py``) begin and end an empty one.
+benchmark that builds random inputs).  Only a capture that ends cleanly runs the epilogue that clears it,
+so the callers that fall back to eager launches after a failed capture (``bench/timing.py``,
+``integrations/backends.py``) begin and end an empty one.  This relies on torch (2.11 to 2.13 here)
+registering the default generator with every capture: ``tests/test_cuda_graphs.py`` checks it on a GPU,
+and is the test to rerun when torch changes.
 """
 
 from __future__ import annotations
