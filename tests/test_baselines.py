@@ -32,8 +32,11 @@ SHAPES = [
 DTYPES = [pytest.param(torch.float32, id="f32"), pytest.param(torch.float64, id="f64")]
 NAMES = [pytest.param(n, id=n) for n in baseline_names()]
 NAMES += [pytest.param(n, id=n) for n in ("kvquant-nuq4-o0.05", "kvquant-int8-o0.0", "quarot-int4-seed3")]
+ASYMMETRIC = ("kvquant-int4-asym", "kvquant-int8-o0.0-asym", "quarot-int4-asym", "quarot-int6-seed3-asym")
+NAMES += [pytest.param(n, id=n) for n in ASYMMETRIC]
 FAMILIES = [
-    pytest.param(f, id=f) for f in ("kvquant-int{}", "kvquant-nuq{}", "quarot-int{}", "turboquant-{}")
+    pytest.param(f, id=f)
+    for f in ("kvquant-int{}", "kvquant-nuq{}", "quarot-int{}", "turboquant-{}", "kvquant-int{}-asym")
 ]
 
 
@@ -143,7 +146,7 @@ def test_normal_float_codebook_matches_nf4():
         assert lv.numel() == 2**bits - 1 and bool((lv.diff() > 0).all()) and lv[2 ** (bits - 1) - 1] == 0
 
 
-@pytest.mark.parametrize("name", ["kvquant-int4", "kvquant-nuq4", "quarot-int4"])
+@pytest.mark.parametrize("name", ["kvquant-int4", "kvquant-nuq4", "quarot-int4", *ASYMMETRIC[::2]])
 def test_stochastic_rounding_is_unbiased(name):
     x = state((16, 16))
     batch = x.expand(4000, 16, 16).contiguous()
@@ -204,6 +207,8 @@ def test_turboquant_mse_matches_lloyd_max_distortion(d, bits):
         ("turboquant-6", 6.25),
         ("turboquant-4", 4.25),
         ("turboquant-2", 2.25),
+        ("kvquant-int4-asym", 4.8203125),  # an fp32 offset beside each fp32 scale
+        ("quarot-int4-asym", 4.5),
     ],
 )
 def test_bits_per_element_128x128(name, bits):
@@ -225,6 +230,8 @@ def test_bits_per_element_other_heads():
         KVQuant(bits=5, outlier_fraction=1e-5),
         QuaRot(bits=6, seed=3),
         TurboQuant(bits=3, seed=7),
+        KVQuant(bits=4, outlier_fraction=0.02, asymmetric=True),
+        QuaRot(bits=6, seed=3, asymmetric=True),
     ],
     ids=lambda f: f.name,
 )
@@ -244,6 +251,8 @@ BAD_NAMES = (
     # that keeps no outlier, and "outliers" that are most of the state
     *("quarot-int4-seed0", "quarot-int4-seed03", "kvquant-int08", "turboquant-04", "kvquant-int8-o0.010"),
     *("kvquant-int8-o1e-30", "kvquant-int8-o0.9"),
+    # NormalFloat has no asymmetric grid; the suffix goes last
+    *("kvquant-nuq4-asym", "kvquant-int4-asym-o0.02", "quarot-int4-asym-seed3", "quarot-int4-asymm"),
 )
 
 
@@ -261,6 +270,8 @@ def test_bad_names_raise(name):
         pytest.param(lambda: KVQuant(outlier_fraction=-0.1), id="kv-frac-neg"),
         pytest.param(lambda: KVQuant(outlier_fraction=1.0), id="kv-frac-1"),
         pytest.param(lambda: KVQuant(nuq=1), id="kv-nuq-int"),
+        pytest.param(lambda: KVQuant(nuq=True, asymmetric=True), id="kv-nuq-asym"),
+        pytest.param(lambda: QuaRot(asymmetric=1), id="qr-asym-int"),
         pytest.param(lambda: QuaRot(seed=-1), id="qr-seed-neg"),
         pytest.param(lambda: QuaRot(stochastic="yes"), id="qr-sr-str"),
         pytest.param(lambda: TurboQuant(bits=9), id="tq-bits9"),
@@ -322,7 +333,10 @@ def test_kvquant_scales_are_per_key_row():
     assert torch.equal(fmt.fake_quantize(loud)[rest], fmt.fake_quantize(x)[rest])
 
 
-@pytest.mark.parametrize("name", ["kvquant-int8", "kvquant-nuq8", "quarot-int8", "turboquant-8"])
+@pytest.mark.parametrize(
+    "name",
+    ["kvquant-int8", "kvquant-nuq8", "quarot-int8", "turboquant-8", "kvquant-int8-asym", "quarot-int8-asym"],
+)
 @pytest.mark.parametrize(
     ("dtype", "magnitude"), [(torch.float32, 1e-30), (torch.float32, 1e19), (torch.float64, 1e39)]
 )
@@ -336,3 +350,32 @@ def test_states_at_the_edges_of_fp32_stay_finite(name, dtype, magnitude):
     assert torch.isfinite(y).all()
     if name.startswith(("quarot", "turboquant")) and magnitude < 1e38:
         assert float((y.double() - x.double()).norm() / x.double().norm()) < 0.02
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_asymmetric_grid_spans_each_rows_dense_min_to_max(shape):
+    """KVQuant's published grid: 2^b levels from each key row's min to its max over the entries it does not
+    keep as outliers; every other entry within half a step of its level."""
+    fmt, x = KVQuant(bits=4, asymmetric=True), state(shape) + 0.5  # an offset a symmetric grid wastes
+    q, out = fmt.quantize(x), fmt.fake_quantize(x)
+    flat = x.flatten(-2)
+    top = flat.abs().topk(fmt.n_outliers(shape[-2], shape[-1]), dim=-1).indices
+    dense = torch.ones_like(flat, dtype=torch.bool).scatter(-1, top, False).view_as(x)
+    lo = torch.where(dense, x, math.inf).amin(-1, keepdim=True)
+    hi = torch.where(dense, x, -math.inf).amax(-1, keepdim=True)
+    assert torch.equal(q["offset"], lo.float()) and q["codes"].dtype == torch.uint8
+    assert torch.allclose(q["scale"].double(), (hi - q["offset"].double()) / 15, rtol=1e-6, atol=0)
+    assert int(q["codes"].max()) == 15 and int(q["codes"].min()) == 0
+    half_step = (q["scale"].double() / 2).expand_as(x) * (1 + 1e-6)
+    assert bool(((out - x).abs() <= half_step)[dense].all())
+
+
+@pytest.mark.parametrize("family", ["kvquant-int{}", "quarot-int{}"])
+def test_asymmetric_grids_beat_symmetric_ones_at_4_bits(family):
+    """One more level and no range spent on the side a slice does not reach: the published grids are
+    the fairer baselines at low bit widths (a Gaussian state with per-row offsets)."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 128, 128, generator=gen, dtype=torch.float64)
+    x = x + 0.3 * torch.randn(4, 128, 1, generator=gen, dtype=torch.float64)
+    sym, asym = (rel_err(get_baseline(family.format(4) + suffix), x) for suffix in ("", "-asym"))
+    assert asym < 0.9 * sym

@@ -14,10 +14,12 @@ import torch
 
 from .constants import MinifloatSpec, int_qmax
 
-__all__ = ["Element", "IntElement", "MinifloatElement"]
+__all__ = ["Element", "IntElement", "MinifloatElement", "round_to_integers"]
 
 
-def _round(y: torch.Tensor, stochastic: bool, generator: torch.Generator | None) -> torch.Tensor:
+def round_to_integers(y: torch.Tensor, stochastic: bool, generator: torch.Generator | None) -> torch.Tensor:
+    """Nearest integer (half to even), or stochastically the floor or the ceiling with probabilities that
+    make the expected value ``y``."""
     if not stochastic:
         return torch.round(y)  # half to even
     noise = torch.rand(y.shape, generator=generator, dtype=y.dtype, device=y.device)
@@ -47,7 +49,7 @@ class IntElement:
     ) -> torch.Tensor:
         """Nearest code value of ``x`` (already divided by its scale), as a float tensor."""
         q = self.max_value
-        return _round(x.clamp(-q, q), stochastic, generator).clamp(-q, q)
+        return round_to_integers(x.clamp(-q, q), stochastic, generator).clamp(-q, q)
 
     def encode(self, values: torch.Tensor) -> torch.Tensor:
         """Grid values to ``int8`` codes."""
@@ -87,7 +89,7 @@ class MinifloatElement:
         """Nearest representable value of ``x`` (already divided by its scale), saturating at max_normal."""
         ax = x.abs().clamp(max=self.spec.max_normal)
         step = self._step(ax)
-        q = (_round(ax / step, stochastic, generator) * step).clamp(max=self.spec.max_normal)
+        q = (round_to_integers(ax / step, stochastic, generator) * step).clamp(max=self.spec.max_normal)
         return torch.copysign(q, x)
 
     def encode(self, values: torch.Tensor) -> torch.Tensor:

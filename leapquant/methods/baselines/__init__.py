@@ -5,12 +5,14 @@ Each is a :class:`~leapquant.formats.base.StateFormat` applied to the whole stat
 * ``kvquant-int{b}`` / ``kvquant-nuq{b}``: per-key-row integers (or NormalFloat levels) with the top 1% of
   entries kept as fp16 outliers (:class:`KVQuant`);
 * ``quarot-int{b}``: two-sided randomized Hadamard rotation, then per-column integers (:class:`QuaRot`);
+* ``-asym`` (``kvquant-int{b}-asym``, ``quarot-int{b}-asym``): the published papers' asymmetric grid,
+  ``2^b`` levels from each row's (column's) min to its max, where the default grid is symmetric;
 * ``turboquant-{b}``: per-column norm, random rotation and Lloyd-Max scalar codes (:class:`TurboQuant`).
 
 Name grammar (``b`` is the bit width; suffixes only for non-default settings, in this order)::
 
-    kvquant-(int|nuq){2..8}[-o{fraction}]     e.g. kvquant-int4, kvquant-nuq6-o0.02
-    quarot-int{2..8}[-seed{n}]                e.g. quarot-int8, quarot-int4-seed3
+    kvquant-(int|nuq){2..8}[-o{fraction}][-asym]   e.g. kvquant-int4, kvquant-nuq6-o0.02, kvquant-int4-asym
+    quarot-int{2..8}[-seed{n}][-asym]              e.g. quarot-int8, quarot-int4-seed3, quarot-int4-asym
     turboquant-{1..8}[-seed{n}]               e.g. turboquant-4
 
 Stochastic rounding is a quantize-time option (``get_baseline(name, stochastic=True)``; ``+sr`` in a method
@@ -43,13 +45,13 @@ __all__ = [
 
 _NUM = r"(?:\d+(?:\.\d*)?|\.\d+)(?:e-?\d+)?"
 _PATTERNS = {
-    "kvquant": re.compile(rf"kvquant-(int|nuq)(\d+)(?:-o({_NUM}))?"),
-    "quarot": re.compile(r"quarot-int(\d+)(?:-seed(\d+))?"),
+    "kvquant": re.compile(rf"kvquant-(int|nuq)(\d+)(?:-o({_NUM}))?(-asym)?"),
+    "quarot": re.compile(r"quarot-int(\d+)(?:-seed(\d+))?(-asym)?"),
     "turboquant": re.compile(r"turboquant-(\d+)(?:-seed(\d+))?"),
 }
 _GRAMMAR = {
-    "kvquant": "kvquant-(int|nuq){2..8}[-o{fraction}]",
-    "quarot": "quarot-int{2..8}[-seed{n}]",
+    "kvquant": "kvquant-(int|nuq){2..8}[-o{fraction}][-asym]",
+    "quarot": "quarot-int{2..8}[-seed{n}][-asym]",
     "turboquant": "turboquant-{1..8}[-seed{n}]",
 }
 
@@ -80,12 +82,15 @@ def get_baseline(name: str, *, stochastic: bool = False) -> StateFormat | None:
     if m is None:
         raise LeapQuantError(f"bad {family} name {name!r}: expected {_GRAMMAR[family]}")
     if family == "kvquant":
-        kind, bits, frac = m.groups()
+        kind, bits, frac, asym = m.groups()
         fraction = 0.01 if frac is None else float(frac)
-        fmt = KVQuant(bits=int(bits), nuq=kind == "nuq", outlier_fraction=fraction, stochastic=stochastic)
+        fmt = KVQuant(
+            bits=int(bits), nuq=kind == "nuq", outlier_fraction=fraction, stochastic=stochastic,
+            asymmetric=asym is not None,
+        )  # fmt: skip
     elif family == "quarot":
-        bits, seed = m.groups()
-        fmt = QuaRot(bits=int(bits), seed=int(seed or 0), stochastic=stochastic)
+        bits, seed, asym = m.groups()
+        fmt = QuaRot(bits=int(bits), seed=int(seed or 0), stochastic=stochastic, asymmetric=asym is not None)
     else:
         if stochastic:
             raise LeapQuantError(f"{name}: TurboQuant's codebook rounding is deterministic; drop +sr")

@@ -22,11 +22,11 @@ one code is unused, exactly as in the symmetric integer grid; the two variants d
 levels sit.  (NF4 itself is asymmetric, with one extra positive level; at 4 bits our codebook is NF4's
 negative half mirrored.)
 
-Symmetric grids.  Published KVQuant (and QuaRot) quantize the KV cache asymmetrically: a min/max range
-with a zero point and ``2^bits`` levels.  These adaptations use symmetric grids with ``2^bits - 1``
-levels and no zero point, as every format here does (the state is signed and centred): one level fewer,
-and no use of a row's offset, cost some accuracy at 4 bits; a zero point per scale would cost 0.25 bits an
-element at 128x128.
+Symmetric and asymmetric grids.  Published KVQuant (and QuaRot) quantize the KV cache asymmetrically: a
+min/max range with ``2^bits`` levels.  By default these adaptations use symmetric grids with ``2^bits - 1``
+levels and no offset, as every format here does (the state is signed and centred); ``asymmetric=True``
+(``-asym`` in the name) is the published grid, over each row's dense entries, with an fp32 offset beside
+each scale (0.25 bits more an element at 128x128).
 """
 
 from __future__ import annotations
@@ -41,7 +41,17 @@ import torch
 from ...errors import LeapQuantError
 from ...formats.base import QuantizedState, StateFormat
 from ...formats.elements import IntElement
-from .quarot import check_bool, check_int, check_parts, check_state, safe_divisor, stored_scale
+from .quarot import (
+    asymmetric_grid,
+    asymmetric_values,
+    check_bool,
+    check_int,
+    check_parts,
+    check_state,
+    encode_levels,
+    safe_divisor,
+    stored_scale,
+)
 
 __all__ = ["KVQuant", "normal_float_codebook"]
 
@@ -90,16 +100,20 @@ def _round_codebook(
 
 @dataclass(frozen=True)
 class KVQuant(StateFormat):
-    """Per-key-row symmetric ``int{bits}`` (or NormalFloat) with the top entries kept as fp16 outliers.
+    """Per-key-row ``int{bits}`` (or NormalFloat) with the top entries kept as fp16 outliers.
 
     Parts of the :class:`QuantizedState`:
 
-    * ``codes``: ``[..., d_k, d_v]`` int8 grid values (uniform) or uint8 codebook indices (``nuq``);
-    * ``scale``: float32 ``[..., d_k, 1]``, ``amax / qmax`` (uniform) or ``amax`` (``nuq``) of the dense row;
+    * ``codes``: ``[..., d_k, d_v]`` int8 grid values (uniform), uint8 codebook indices (``nuq``) or uint8
+      level indices (``asymmetric``);
+    * ``scale``: float32 ``[..., d_k, 1]``, ``amax / qmax`` (uniform) or ``amax`` (``nuq``) of the dense row,
+      ``(max - min) / (2^bits - 1)`` (``asymmetric``); there also ``offset``, float32 ``[..., d_k, 1]``,
+      the dense row's min;
     * ``outlier_values``: float16 ``[..., n_out]`` and ``outlier_index``: int16 ``[..., n_out]`` flat index
       ``row * d_v + col`` (read as unsigned; int32 when ``d_k * d_v > 2^16``).
 
-    Storage: ``bits + 32 / d_v + (16 + index bits) * n_out / (d_k * d_v)`` bits per element.
+    Storage: ``bits + 32 / d_v + (16 + index bits) * n_out / (d_k * d_v)`` bits per element, plus
+    ``32 / d_v`` for the offsets of an asymmetric grid.
 
     Attributes:
         bits: element width, 2..8.
@@ -107,17 +121,23 @@ class KVQuant(StateFormat):
         outlier_fraction: share of each head's entries kept exactly, 0 or in ``[1e-6, 0.5]``; the count
             is rounded up.
         stochastic: stochastic rounding (unbiased between the two neighbouring grid values).
+        asymmetric: ``2^bits`` uniform levels from each row's min to its max (published KVQuant's grid,
+            :func:`~.quarot.asymmetric_grid`); not with ``nuq``.
     """
 
     bits: int = 8
     nuq: bool = False
     outlier_fraction: float = 0.01
     stochastic: bool = False
+    asymmetric: bool = False
 
     def __post_init__(self) -> None:
         check_int("kvquant", "bits", self.bits, 2, 8)
         check_bool("kvquant", "nuq", self.nuq)
         check_bool("kvquant", "stochastic", self.stochastic)
+        check_bool("kvquant", "asymmetric", self.asymmetric)
+        if self.nuq and self.asymmetric:
+            raise LeapQuantError("kvquant: the NormalFloat codebook (nuq) is symmetric; asymmetric needs int")
         f = self.outlier_fraction
         # under 1e-6 a head of 2^18 entries keeps no outlier, and the count rounds to 9 digits before it
         # is rounded up: such a fraction would silently be 0; past half, the "outliers" are the state
@@ -128,7 +148,7 @@ class KVQuant(StateFormat):
     def name(self) -> str:
         kind = "nuq" if self.nuq else "int"
         frac = "" if self.outlier_fraction == 0.01 else f"-o{float(self.outlier_fraction)!r}"
-        return f"kvquant-{kind}{self.bits}{frac}"
+        return f"kvquant-{kind}{self.bits}{frac}{'-asym' if self.asymmetric else ''}"
 
     def n_outliers(self, d_k: int, d_v: int) -> int:
         """Outliers per head; the product is rounded to 9 digits first so 0.07 * 100 gives 7, not 8."""
@@ -141,17 +161,22 @@ class KVQuant(StateFormat):
     def bits_per_element(self, d_k: int, d_v: int) -> float:
         n = d_k * d_v
         outliers = self.n_outliers(d_k, d_v) * (16 + self._index_bits(d_k, d_v))
-        return self.bits + 32 / d_v + outliers / n
+        return self.bits + (64 if self.asymmetric else 32) / d_v + outliers / n
 
     def _split(
         self, x: torch.Tensor, generator: torch.Generator | None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Outlier flat indices (int64), their fp16 values, dense grid values/codes and the fp32 row scale."""
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """Outlier flat indices (int64), their fp16 values, and the dense part's grid values/codes (``codes``)
+        with its fp32 row ``scale`` (and ``offset``, asymmetric)."""
         flat = x.flatten(-2)
         idx = flat.abs().topk(self.n_outliers(x.shape[-2], x.shape[-1]), dim=-1).indices
         values = flat.gather(-1, idx)
         values = torch.where(values.isinf(), values, values.clamp(-_FP16_MAX, _FP16_MAX)).to(torch.float16)
         dense = flat.scatter(-1, idx, 0.0).view_as(x)
+        if self.asymmetric:  # the range spans the dense entries only, not the zeros left by the outliers
+            covered = torch.ones_like(flat, dtype=torch.bool).scatter(-1, idx, False).view_as(x)
+            grid, scale, offset = asymmetric_grid(dense, self.bits, -1, self.stochastic, generator, covered)
+            return idx, values, {"codes": grid, "scale": scale, "offset": offset}
         amax = dense.abs().amax(dim=-1, keepdim=True)
         if self.nuq:
             scale = stored_scale(amax)
@@ -163,33 +188,34 @@ class KVQuant(StateFormat):
             scale = stored_scale(amax / elem.max_value)
             y = dense / safe_divisor(scale.to(x.dtype))
             grid = elem.round(y, stochastic=self.stochastic, generator=generator)
-        return idx, values, grid, scale
+        return idx, values, {"codes": grid, "scale": scale}
 
     def _assemble(
-        self,
-        grid: torch.Tensor,
-        scale: torch.Tensor,
-        idx: torch.Tensor,
-        values: torch.Tensor,
-        dtype: torch.dtype,
+        self, dense: dict[str, torch.Tensor], idx: torch.Tensor, values: torch.Tensor, dtype: torch.dtype
     ) -> torch.Tensor:
-        if self.nuq:
-            grid = _nf_torch(self.bits, dtype, grid.device)[grid.long()]
+        """The state from the dense part (``_split``'s dict, codes as values or stored) and the outliers."""
+        grid, scale = dense["codes"], dense["scale"]
+        if self.asymmetric:
+            x = asymmetric_values(grid, scale, dense["offset"], dtype)
+        elif self.nuq:
+            x = _nf_torch(self.bits, dtype, grid.device)[grid.long()] * scale.to(dtype)
         else:
-            grid = grid.to(dtype)
-        dense = grid * scale.to(dtype)
+            x = grid.to(dtype) * scale.to(dtype)
         # Overwrite (not add): the dense part is exactly 0 there, and overwriting keeps the fp16 value exact.
-        return dense.flatten(-2).scatter(-1, idx, values.to(dtype)).view_as(dense)
+        return x.flatten(-2).scatter(-1, idx, values.to(dtype)).view_as(x)
 
     def quantize(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> QuantizedState:
         check_state(self, x)
-        idx, values, grid, scale = self._split(x, generator)
-        codes = grid.to(torch.uint8) if self.nuq else IntElement(self.bits).encode(grid)
+        idx, values, dense = self._split(x, generator)
+        if self.asymmetric or self.nuq:  # level / codebook indices
+            codes = encode_levels(dense["codes"])
+        else:
+            codes = IntElement(self.bits).encode(dense["codes"])
         if self._index_bits(x.shape[-2], x.shape[-1]) == 16:
             stored_idx = torch.where(idx >= 2**15, idx - 2**16, idx).to(torch.int16)  # unsigned in int16
         else:
             stored_idx = idx.to(torch.int32)
-        parts = {"codes": codes, "scale": scale, "outlier_values": values, "outlier_index": stored_idx}
+        parts = {**dense, "codes": codes, "outlier_values": values, "outlier_index": stored_idx}
         return QuantizedState(self.name, x.shape, parts)
 
     def _dequantize(self, q: QuantizedState, dtype: torch.dtype) -> torch.Tensor:
@@ -197,9 +223,10 @@ class KVQuant(StateFormat):
         idx = q["outlier_index"].long()
         if q["outlier_index"].dtype == torch.int16:
             idx = idx & 0xFFFF
-        return self._assemble(q["codes"], q["scale"], idx, q["outlier_values"], dtype)
+        dense = {k: q[k] for k in ("codes", "scale", "offset") if k in q.parts}
+        return self._assemble(dense, idx, q["outlier_values"], dtype)
 
     def fake_quantize(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> torch.Tensor:
         check_state(self, x)
-        idx, values, grid, scale = self._split(x, generator)
-        return self._assemble(grid, scale, idx, values, x.dtype)
+        idx, values, dense = self._split(x, generator)
+        return self._assemble(dense, idx, values, x.dtype)

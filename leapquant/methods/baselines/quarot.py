@@ -28,8 +28,8 @@ import torch
 
 from ...errors import LeapQuantError
 from ...formats.base import QuantizedState, StateFormat
-from ...formats.elements import IntElement
-from ...formats.scaled import fp32_scale
+from ...formats.elements import IntElement, round_to_integers
+from ...formats.scaled import FP32_MAX, fp32_scale
 
 __all__ = ["QuaRot", "random_orthogonal", "randomized_hadamard"]
 
@@ -129,35 +129,88 @@ def safe_divisor(scale: torch.Tensor) -> torch.Tensor:
     return torch.where(scale > 0, scale, torch.ones_like(scale))
 
 
+def asymmetric_grid(
+    y: torch.Tensor,
+    bits: int,
+    dim: int,
+    stochastic: bool,
+    generator: torch.Generator | None,
+    covered: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Published KVQuant's and QuaRot's asymmetric grid: ``2^bits`` levels spanning each slice's min..max
+    along ``dim``.  Returns the level indices (``y``'s dtype, integers in ``[0, 2^bits - 1]``) and the
+    float32 ``scale = (max - min) / (2^bits - 1)`` and ``offset = min`` that :func:`asymmetric_values`
+    decodes them with; the indices are computed against the stored (fp32) offset and scale, so decoding
+    is exactly what quantizing saw.
+
+    ``covered`` (bool, ``y``'s shape): the entries the range spans (KVQuant's dense part, without the
+    outliers it keeps exactly); the others get indices too, clamped into the range.  A slice with no
+    covered entry has offset and scale 0.  A NaN or an Inf in a slice's range makes its scale NaN, so the
+    slice decodes to NaN, as the symmetric grids do.
+    """
+    levels = 2**bits - 1
+    if covered is None:
+        lo, hi = y.amin(dim, keepdim=True), y.amax(dim, keepdim=True)
+    else:
+        inf = torch.tensor(float("inf"), dtype=y.dtype, device=y.device)
+        lo = torch.where(covered, y, inf).amin(dim, keepdim=True)
+        hi = torch.where(covered, y, -inf).amax(dim, keepdim=True)
+        empty = ~covered.any(dim, keepdim=True)
+        lo, hi = torch.where(empty, 0.0, lo), torch.where(empty, 0.0, hi)
+    offset = torch.where(lo.isfinite(), lo.clamp(-FP32_MAX, FP32_MAX), lo).to(torch.float32)
+    scale = stored_scale((hi - offset.to(y.dtype)) / levels)
+    shifted = (y - offset.to(y.dtype)) / safe_divisor(scale.to(y.dtype))
+    grid = round_to_integers(shifted.clamp(0, levels), stochastic, generator).clamp(0, levels)
+    return grid, scale, offset
+
+
+def asymmetric_values(
+    grid: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """The values of :func:`asymmetric_grid`'s level indices: ``grid * scale + offset`` in ``dtype``."""
+    return grid.to(dtype) * scale.to(dtype) + offset.to(dtype)
+
+
+def encode_levels(grid: torch.Tensor) -> torch.Tensor:
+    """Asymmetric level indices as stored: uint8."""
+    return grid.to(torch.uint8)
+
+
 @dataclass(frozen=True)
 class QuaRot(StateFormat):
-    """Two-sided randomized-Hadamard rotation, then symmetric ``int{bits}`` with fp32 per-column scales.
+    """Two-sided randomized-Hadamard rotation, then ``int{bits}`` with fp32 per-column scales.
 
-    Parts of the :class:`QuantizedState`: ``codes`` int8 ``[..., d_k, d_v]`` (grid values of the rotated
-    state) and ``scale`` float32 ``[..., 1, d_v]``.  Storage: ``bits + 32 / d_k`` bits per element.
+    Parts of the :class:`QuantizedState`: ``codes`` ``[..., d_k, d_v]`` of the rotated state and ``scale``
+    float32 ``[..., 1, d_v]``; symmetric: int8 grid values, ``bits + 32 / d_k`` bits per element;
+    ``asymmetric`` (QuaRot's own KV-cache grid): uint8 level indices over each column's min..max and an
+    ``offset`` float32 ``[..., 1, d_v]`` (the column's min), ``bits + 64 / d_k`` bits per element.
 
     Attributes:
         bits: integer width, 2..8.
         seed: seed of the rotations' random signs (or Haar matrices); a fixed seed costs no storage.
         stochastic: stochastic rounding onto the grid (uses the ``generator`` passed to ``quantize``).
+        asymmetric: ``2^bits`` levels from each column's min to its max (:func:`asymmetric_grid`) instead
+            of ``2^bits - 1`` symmetric ones.
     """
 
     bits: int = 8
     seed: int = 0
     stochastic: bool = False
+    asymmetric: bool = False
 
     def __post_init__(self) -> None:
         check_int("quarot", "bits", self.bits, 2, 8)
         check_int("quarot", "seed", self.seed, 0, _SEED_LIMIT - 1)
         check_bool("quarot", "stochastic", self.stochastic)
+        check_bool("quarot", "asymmetric", self.asymmetric)
 
     @property
     def name(self) -> str:
         seed = f"-seed{self.seed}" if self.seed else ""
-        return f"quarot-int{self.bits}{seed}"
+        return f"quarot-int{self.bits}{seed}{'-asym' if self.asymmetric else ''}"
 
     def bits_per_element(self, d_k: int, d_v: int) -> float:
-        return self.bits + 32 / d_k
+        return self.bits + (64 if self.asymmetric else 32) / d_k
 
     def _rotations(self, x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         d_k, d_v = x.shape[-2], x.shape[-1]
@@ -166,33 +219,40 @@ class QuaRot(StateFormat):
             randomized_hadamard(d_v, seed=self.seed, dtype=dtype, device=x.device),
         )
 
-    def _grid(self, x: torch.Tensor, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Grid values of the rotated state (input dtype) and the fp32 per-column scale."""
+    def _grid(self, x: torch.Tensor, generator: torch.Generator | None) -> dict[str, torch.Tensor]:
+        """Grid values of the rotated state (input dtype), the fp32 per-column scale and (asymmetric)
+        offset."""
         h_k, h_v = self._rotations(x, x.dtype)
         y = h_k @ x @ h_v.T
+        if self.asymmetric:
+            grid, scale, offset = asymmetric_grid(y, self.bits, -2, self.stochastic, generator)
+            return {"codes": grid, "scale": scale, "offset": offset}
         elem = IntElement(self.bits)
         scale = stored_scale(y.abs().amax(dim=-2, keepdim=True) / elem.max_value)
         grid = elem.round(
             y / safe_divisor(scale.to(x.dtype)), stochastic=self.stochastic, generator=generator
         )
-        return grid, scale
+        return {"codes": grid, "scale": scale}
 
-    def _unrotate(self, grid: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        h_k, h_v = self._rotations(grid, dtype)
-        return h_k.T @ (grid * scale.to(dtype)) @ h_v
+    def _unrotate(self, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """The state from grid values (``parts["codes"]`` as values, any dtype) and their scales."""
+        h_k, h_v = self._rotations(parts["codes"], dtype)
+        if self.asymmetric:
+            y = asymmetric_values(parts["codes"], parts["scale"], parts["offset"], dtype)
+        else:
+            y = parts["codes"].to(dtype) * parts["scale"].to(dtype)
+        return h_k.T @ y @ h_v
 
     def quantize(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> QuantizedState:
         check_state(self, x)
-        grid, scale = self._grid(x, generator)
-        codes = IntElement(self.bits).encode(grid)
-        return QuantizedState(self.name, x.shape, {"codes": codes, "scale": scale})
+        parts = self._grid(x, generator)
+        encode = encode_levels if self.asymmetric else IntElement(self.bits).encode
+        return QuantizedState(self.name, x.shape, {**parts, "codes": encode(parts["codes"])})
 
     def _dequantize(self, q: QuantizedState, dtype: torch.dtype) -> torch.Tensor:
         check_parts(self, q)
-        grid = IntElement(self.bits).decode(q["codes"], dtype)
-        return self._unrotate(grid, q["scale"], dtype)
+        return self._unrotate(dict(q.parts), dtype)  # int8 / uint8 codes are their grid values
 
     def fake_quantize(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> torch.Tensor:
         check_state(self, x)
-        grid, scale = self._grid(x, generator)  # grid values are exact small integers: no int8 round trip
-        return self._unrotate(grid, scale, x.dtype)
+        return self._unrotate(self._grid(x, generator), x.dtype)  # exact small integers: no byte round trip
