@@ -301,7 +301,8 @@ class KernelState:
             or torch.cuda.is_current_stream_capturing()  # inside the caller's own graph: be part of it
         ):
             return self._eager_step(*inputs, use_qk_l2norm)
-        key = (tuple((x.shape, x.dtype) for x in inputs), use_qk_l2norm)
+        key = (q.shape, k.shape, v.shape, g.shape, beta.shape, q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype,
+               use_qk_l2norm)  # fmt: skip
         if self._graph is None or self._graph[0] != key:
             if self._seen != key:  # the first step of this shape: eager (compiles, allocates, advances)
                 self._graph, self._seen = None, key

@@ -69,6 +69,7 @@ class RowGroups:
         self._chunk_seen: set[tuple] = set()
         self._chunk_uncapturable: set[tuple] = set()
         self._own_capture = False
+        self._handle: torch.Tensor | None = None  # row_handle's tensor
 
     def __deepcopy__(self, memo: dict) -> RowGroups:
         """A copied cache (transformers' way to reuse a prompt) shares the patch and its model, and copies
@@ -81,6 +82,15 @@ class RowGroups:
         for name, value in self.__dict__.items():
             setattr(new, name, type(value)() if name in graphs else copy.deepcopy(value, memo))
         return new
+
+    def row_handle(self, batch: int, device: torch.device) -> torch.Tensor:
+        """Row ids ``0..batch-1`` as ``[batch, 1, 1, 1]`` fp32: what the patched layer gives the cache in
+        place of its dense state (:meth:`follow` reads them back).  The cache copies it into a tensor of its
+        own (a static address for CUDA graphs) and reorders only that, so one tensor serves every step."""
+        h = self._handle
+        if h is None or h.shape[0] != batch or h.device != device:
+            h = self._handle = torch.arange(batch, dtype=torch.float32, device=device).view(batch, 1, 1, 1)
+        return h
 
     def step(self, q, k, v, g, beta, use_qk_l2norm: bool) -> torch.Tensor:
         """One token: ``o [B, HV, V]`` fp32. It may be a state's reused output buffer (a replayed
@@ -109,6 +119,10 @@ class RowGroups:
         state updates its tensors in place, so each replay continues from the last. A shape that cannot
         be captured (a host synchronisation somewhere) stays eager.
         """
+        if q.shape[1] == 1:  # a decode step: its host time is its cost (views, one copy out)
+            q, k, v, g, beta = q.squeeze(1), k.squeeze(1), v.squeeze(1), g.squeeze(1), beta.squeeze(1)
+            o = self.step(q, k, v, g, beta, use_qk_l2norm)
+            return o.unsqueeze(1).to(out_dtype, copy=True)
         inputs = (q, k, v, g, beta)
         if not 1 < q.shape[1] <= _CHUNK_GRAPH_MAX_TOKENS or not self._chunk_graphable(q):
             return self._eager_chunk(*inputs, use_qk_l2norm, out_dtype)

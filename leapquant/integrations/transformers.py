@@ -164,10 +164,6 @@ def _followed(cache, layer_idx: int, groups: RowGroups) -> RowGroups:
     return groups
 
 
-def _row_handle(batch: int, device: torch.device) -> torch.Tensor:
-    return torch.arange(batch, dtype=torch.float32, device=device).view(batch, 1, 1, 1)
-
-
 class _PatchedLayer:
     def __init__(self, patched: LeapQuantPatch, layer_idx: int, module: torch.nn.Module) -> None:
         self.patched = patched
@@ -242,8 +238,8 @@ class _PatchedLayer:
                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                 **kwargs,
             )
-            self._new_groups(cache, store, final.float())
-            return out, _row_handle(query.shape[0], query.device)
+            groups = self._new_groups(cache, store, final.float())
+            return out, groups.row_handle(query.shape[0], query.device)
         if kwargs.get("cu_seqlens") is not None:
             raise LeapQuantError(
                 "packed sequences (cu_seqlens) reached a patched layer's state, which keeps one row per "
@@ -256,7 +252,7 @@ class _PatchedLayer:
             groups = self._new_groups(cache, store, groups.materialize())
             groups.handle_seen = initial_state
         out = groups.step_chunk(query, key, value, g, beta, use_qk_l2norm_in_kernel, out_dtype=query.dtype)
-        return out, _row_handle(query.shape[0], query.device)
+        return out, groups.row_handle(query.shape[0], query.device)
 
 
 class LeapQuantPatch:
