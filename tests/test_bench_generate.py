@@ -3,7 +3,10 @@ times each method through a patched model beside the unpatched FP32 one."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
+import transformers.models.qwen3_5.modeling_qwen3_5  # noqa: F401  (the module whose globals are timed)
 
 from leapquant.bench.generate import GenerateCase, bench_generate
 from leapquant.errors import LeapQuantError
@@ -22,10 +25,15 @@ def test_rows_for_each_method_beside_fp32(monkeypatch):
         return real_patch(model, method, graphs=graphs)
 
     monkeypatch.setattr(leapquant.integrations, "patch", spy)
+    modeling = sys.modules["transformers.models.qwen3_5.modeling_qwen3_5"].__dict__
+    recurrent = modeling["torch_recurrent_gated_delta_rule"]
     case = GenerateCase(batch=2, prompt_tokens=4, new_tokens=3, repeats=1)
     rows = bench_generate(CHECKPOINT, ["fp32", "leapquant-int8"], case, device="cpu", graphs=(True, False))
-    # fp32 is the model's own state; each patched method once with graphs, once eager
-    assert patched == [("leapquant-int8", True), ("leapquant-int8", False)]
+    # the timed layer calls went through a wrapper that is gone again, as is the patch's dispatcher
+    assert modeling["torch_recurrent_gated_delta_rule"] is recurrent
+    # fp32 is the model's own state; each patched method with graphs and eager, taking turns in the warm-up
+    # pass and the one timed repeat
+    assert patched == [("leapquant-int8", True), ("leapquant-int8", False)] * 2
     assert [(r["method"], r["graphs"]) for r in rows] == [
         ("fp32", None),
         ("leapquant-int8", True),
@@ -37,6 +45,7 @@ def test_rows_for_each_method_beside_fp32(monkeypatch):
         assert r["decode_s"] == pytest.approx(r["generate_s"] - r["setup_s"])
         if r["tokens_per_s"] is not None:
             assert r["tokens_per_s"] == pytest.approx(2 * 2 / r["decode_s"])
+        assert r["recurrent_call_us"] > 0  # 2 decode steps x 6 linear-attention layers were timed
 
 
 @pytest.mark.parametrize(

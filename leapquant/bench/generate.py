@@ -7,14 +7,20 @@ synchronization that the native path does not.  Each method decodes ``new_tokens
 stop) from ``batch`` prompts; the time of a one-token ``generate()`` (the prefill and setup) is subtracted, so
 the rate is decode tokens per second.  Times are wall-clock between ``torch.cuda.synchronize()`` calls (a
 ``generate()`` loop is driven by the host, so CUDA events around it would time the same span); each is the
-median of ``repeats`` runs after one warm-up run that also compiles the kernels.  On the CPU it runs the
-same code (a check that it works, for tests), but its times say nothing about a GPU.
+median of ``repeats`` runs after one warm-up run that also compiles the kernels, and the methods take turns
+run by run (a shared host's speed drifts by more than the differences measured).  A second warm-up run
+times the host side of every linear-attention layer's one-token call (the model's recurrent function, or
+the patch's dispatcher and state step in its place): in a host-bound loop that is where a patched layer
+gains or loses against the native one.  On the CPU it runs the same code (a check that it works, for
+tests), but its times say nothing about a GPU.
 """
 
 from __future__ import annotations
 
 import statistics
+import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,6 +63,39 @@ def _timed(fn, repeats: int, device: str) -> float:
     return statistics.median(times)
 
 
+@contextmanager
+def _timed_recurrent_calls(model, samples: list[float]):
+    """Append the host time (seconds, no synchronization) of each one-token call of the model's
+    linear-attention recurrent functions to ``samples``: the module globals its layers call, wrapped for the
+    duration (outside a patch's dispatcher, so a patched call counts the patch's whole path)."""
+    from ..integrations.transformers import SUPPORTED_LAYERS, linear_attention_layers
+
+    wrapped: dict[tuple[str, str], object] = {}
+    for _, module in linear_attention_layers(model):
+        module_name, fn_name = type(module).__module__, SUPPORTED_LAYERS[type(module).__name__].recurrent_fn
+        if (module_name, fn_name) in wrapped:
+            continue
+        namespace = sys.modules[module_name].__dict__
+        inner = wrapped[module_name, fn_name] = namespace[fn_name]
+
+        def timed(query, *args, _inner=inner, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _inner(query, *args, **kwargs)
+            finally:
+                if query.shape[1] == 1:
+                    samples.append(time.perf_counter() - start)
+
+        # a patched layer finds the model's own function behind the dispatcher as ``__wrapped__``
+        timed.__wrapped__ = getattr(inner, "__wrapped__", inner)
+        namespace[fn_name] = timed
+    try:
+        yield
+    finally:
+        for (module_name, fn_name), inner in wrapped.items():
+            sys.modules[module_name].__dict__[fn_name] = inner
+
+
 def bench_generate(
     model_path: str | Path,
     methods: list[str],
@@ -71,7 +110,9 @@ def bench_generate(
     Returns one row per method and setting: ``method``, ``graphs`` (None for fp32), ``decode_s`` (the
     ``new_tokens - 1`` decode steps),
     ``tokens_per_s`` (``batch * (new_tokens - 1) / decode_s``; ``None`` where the decode was within the
-    timing noise) and ``vs_fp32`` (its rate over FP32's, when ``"fp32"`` is among the methods).
+    timing noise), ``vs_fp32`` (its rate over FP32's, when ``"fp32"`` is among the methods) and
+    ``recurrent_call_us`` (the median host time of one linear-attention layer's one-token call, in a
+    warm-up run).
     """
     import torch
 
@@ -100,22 +141,37 @@ def bench_generate(
         )  # fmt: skip
 
     runs = [(m, None if m == "fp32" else g) for m in methods for g in ((None,) if m == "fp32" else graphs)]
+    full: dict[tuple, list[float]] = {run: [] for run in runs}
+    setup: dict[tuple, list[float]] = {run: [] for run in runs}
+    calls: dict[tuple, list[float]] = {run: [] for run in runs}
+    # the methods take turns, one repeat each (pass 0: the warm-ups), so that the host's speed drifting over
+    # the run (a shared machine's) reaches every method alike
+    for rep in range(case.repeats + 1):
+        for run in runs:
+            method, use_graphs = run
+            handle = None if method == "fp32" else patch(model, method, graphs=use_graphs)
+            try:
+                if rep == 0:
+                    generate(case.new_tokens)  # kernel compilation, allocator
+                    with _timed_recurrent_calls(model, calls[run]):
+                        generate(case.new_tokens)
+                else:
+                    full[run].append(_timed(lambda: generate(case.new_tokens), 1, device))
+                    setup[run].append(_timed(lambda: generate(1), 1, device))
+            finally:
+                if handle is not None:
+                    handle.unpatch()
     rows = []
-    for method, use_graphs in runs:
-        handle = None if method == "fp32" else patch(model, method, graphs=use_graphs)
-        try:
-            generate(case.new_tokens)  # warm-up: kernel compilation, allocator
-            full = _timed(lambda: generate(case.new_tokens), case.repeats, device)
-            setup = _timed(lambda: generate(1), case.repeats, device)
-        finally:
-            if handle is not None:
-                handle.unpatch()
-        decode_s = full - setup  # at or below zero when the decode is within the timing noise (tiny runs)
+    for run in runs:
+        method, use_graphs = run
+        generate_s, setup_s = statistics.median(full[run]), statistics.median(setup[run])
+        decode_s = generate_s - setup_s  # at or below zero when the decode is within the timing noise
         rows.append({
             "method": method, "graphs": use_graphs, "device": device, "batch": case.batch,
-            "prompt_tokens": case.prompt_tokens, "new_tokens": case.new_tokens, "generate_s": full,
-            "setup_s": setup, "decode_s": decode_s,
+            "prompt_tokens": case.prompt_tokens, "new_tokens": case.new_tokens, "generate_s": generate_s,
+            "setup_s": setup_s, "decode_s": decode_s,
             "tokens_per_s": case.batch * (case.new_tokens - 1) / decode_s if decode_s > 0 else None,
+            "recurrent_call_us": statistics.median(calls[run]) * 1e6 if calls[run] else None,
         })  # fmt: skip
     base = next((r["tokens_per_s"] for r in rows if r["method"] == "fp32"), None)
     for r in rows:

@@ -194,9 +194,11 @@ def run_generate(args: argparse.Namespace) -> int:
         label = r["method"] + (" (eager)" if r["graphs"] is False else "")
         rate = "within timing noise" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:9.0f} tok/s"
         vs = "" if r["vs_fp32"] is None else f"  {r['vs_fp32']:.2f}x fp32"
+        us = r["recurrent_call_us"]
+        call = "" if us is None else f"; {us:.0f} us host a layer call"
         con.print(
             f"{Path(args.model).name} B={r['batch']} {label:<26} {rate} "
-            f"({r['decode_s'] * 1e3:.0f} ms for {r['new_tokens'] - 1} steps){vs}"
+            f"({r['decode_s'] * 1e3:.0f} ms for {r['new_tokens'] - 1} steps){vs}{call}"
         )
     if args.json:
         on_gpu = args.device == "cuda"
