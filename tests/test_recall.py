@@ -177,10 +177,10 @@ def test_a_layer_plan_is_a_row_of_its_own(recall_model, tmp_path):
     config = RecallConfig(methods=("int8", "int4", str(uniform), str(mixed)), chunk=32)
     report = score_examples(model, examples, config)
     same, mix = report[str(uniform)], report[str(mixed)]
-    assert (
-        same["answers"] == report["int8"]["answers"]
-        and same["state_rel_err"] == report["int8"]["state_rel_err"]
-    )
+    # the two groups' rows sit at other batch positions, where a many-core host's GEMMs may round the
+    # model's own activations differently (1.4e-9 relative in the error on a 16-core H100 host)
+    assert same["answers"] == report["int8"]["answers"]
+    assert same["state_rel_err"] == pytest.approx(report["int8"]["state_rel_err"], rel=1e-6)
     errs = {report[m]["state_rel_err"] for m in ("int8", "int4")}
     assert mix["state_rel_err"] not in errs and min(errs) < mix["state_rel_err"] < max(errs)
     assert config.config_of(str(mixed)).bytes_per_element(32, 32) == pytest.approx(
