@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 
 import pytest
+import torch
 import transformers.models.qwen3_5.modeling_qwen3_5  # noqa: F401  (the module whose globals are timed)
 
 from leapquant.bench.generate import GenerateCase, bench_generate
@@ -75,3 +76,43 @@ def test_bad_graphs_setting(graphs):
 def test_unknown_device():
     with pytest.raises(LeapQuantError, match="device must be cuda or cpu"):
         bench_generate(CHECKPOINT, ["fp32"], GenerateCase(), device="tpu")
+
+
+def test_a_repeated_method_is_one_row():
+    case = GenerateCase(batch=1, prompt_tokens=4, new_tokens=2, repeats=1)
+    rows = bench_generate(CHECKPOINT, ["fp32", "int8", "int8"], case, device="cpu")
+    assert [r["method"] for r in rows] == ["fp32", "int8"]
+
+
+def test_timed_calls_leave_the_module_as_they_found_it():
+    """The timing wrappers come off after an error in the timed block; a patch made and undone inside the
+    block still finds the model's own function behind them; one made inside and kept keeps working."""
+    import leapquant
+    from leapquant.bench.generate import _timed_recurrent_calls
+    from leapquant.eval.model_eval import load_model
+
+    model, _ = load_model(leapquant.checkpoint_path(CHECKPOINT), "cpu")
+    modeling = sys.modules["transformers.models.qwen3_5.modeling_qwen3_5"].__dict__
+    own = modeling["torch_recurrent_gated_delta_rule"]
+    samples: list[float] = []
+    with pytest.raises(RuntimeError, match="inside"), _timed_recurrent_calls(model, samples):
+        assert modeling["torch_recurrent_gated_delta_rule"] is not own
+        raise RuntimeError("inside")
+    assert modeling["torch_recurrent_gated_delta_rule"] is own
+    with _timed_recurrent_calls(model, samples):
+        handle = leapquant.patch(model, "int8")
+        try:
+            ids = torch.tensor([[5, 6, 7, 8]])
+            model.generate(input_ids=ids, max_new_tokens=3, min_new_tokens=3, do_sample=False)
+        finally:
+            handle.unpatch()
+    assert modeling["torch_recurrent_gated_delta_rule"] is own
+    assert len(samples) == 2 * 6  # two decode steps of the six linear-attention layers
+    # a patch made inside the block and kept after it: its dispatcher stays (the wrapper under it is left)
+    with _timed_recurrent_calls(model, samples):
+        handle = leapquant.patch(model, "int8")
+    try:
+        out = model.generate(input_ids=ids, max_new_tokens=3, min_new_tokens=3, do_sample=False)
+        assert out.shape == (1, 7)
+    finally:
+        handle.unpatch()

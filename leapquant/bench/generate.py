@@ -67,33 +67,38 @@ def _timed(fn, repeats: int, device: str) -> float:
 def _timed_recurrent_calls(model, samples: list[float]):
     """Append the host time (seconds, no synchronization) of each one-token call of the model's
     linear-attention recurrent functions to ``samples``: the module globals its layers call, wrapped for the
-    duration (outside a patch's dispatcher, so a patched call counts the patch's whole path)."""
+    duration (outside a patch's dispatcher, so a patched call counts the patch's whole path).  Not to be
+    held across a ``patch`` or ``unpatch`` of the model, which install and remove those dispatchers."""
     from ..integrations.transformers import SUPPORTED_LAYERS, linear_attention_layers
 
-    wrapped: dict[tuple[str, str], object] = {}
-    for _, module in linear_attention_layers(model):
-        module_name, fn_name = type(module).__module__, SUPPORTED_LAYERS[type(module).__name__].recurrent_fn
-        if (module_name, fn_name) in wrapped:
-            continue
-        namespace = sys.modules[module_name].__dict__
-        inner = wrapped[module_name, fn_name] = namespace[fn_name]
-
-        def timed(query, *args, _inner=inner, **kwargs):
-            start = time.perf_counter()
-            try:
-                return _inner(query, *args, **kwargs)
-            finally:
-                if query.shape[1] == 1:
-                    samples.append(time.perf_counter() - start)
-
-        # a patched layer finds the model's own function behind the dispatcher as ``__wrapped__``
-        timed.__wrapped__ = getattr(inner, "__wrapped__", inner)
-        namespace[fn_name] = timed
+    installed: dict[tuple[str, str], tuple] = {}  # (module, name) -> (the wrapper, the function it wraps)
     try:
+        for _, module in linear_attention_layers(model):
+            module_name = type(module).__module__
+            fn_name = SUPPORTED_LAYERS[type(module).__name__].recurrent_fn
+            if (module_name, fn_name) in installed:
+                continue
+            namespace = sys.modules[module_name].__dict__
+            inner = namespace[fn_name]
+
+            def timed(query, *args, _inner=inner, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return _inner(query, *args, **kwargs)
+                finally:
+                    if query.shape[1] == 1:
+                        samples.append(time.perf_counter() - start)
+
+            # a patched layer finds the model's own function behind the dispatcher as ``__wrapped__``
+            timed.__wrapped__ = inner.__wrapped__ if getattr(inner, "_leapquant_dispatcher", False) else inner
+            namespace[fn_name] = timed
+            installed[module_name, fn_name] = (timed, inner)
         yield
     finally:
-        for (module_name, fn_name), inner in wrapped.items():
-            sys.modules[module_name].__dict__[fn_name] = inner
+        for (module_name, fn_name), (timed, inner) in installed.items():
+            namespace = sys.modules[module_name].__dict__
+            if namespace.get(fn_name) is timed:  # only our own wrapper comes off
+                namespace[fn_name] = inner
 
 
 def bench_generate(
@@ -140,6 +145,7 @@ def bench_generate(
             use_cache=True, pad_token_id=tokenizer.pad_token_id or 0,
         )  # fmt: skip
 
+    methods = list(dict.fromkeys(methods))  # a repeated name would pool its timings into one row
     runs = [(m, None if m == "fp32" else g) for m in methods for g in ((None,) if m == "fp32" else graphs)]
     full: dict[tuple, list[float]] = {run: [] for run in runs}
     setup: dict[tuple, list[float]] = {run: [] for run in runs}
