@@ -43,3 +43,31 @@ def test_layers_without_a_leapquant_state_refuse_the_switch():
     ours = SimpleNamespace(leapquant=object())
     assert guarded(ours, config({"leapquant_method": "leapquant-int8"})) == "spec"
     assert len(calls) == 2
+
+
+def test_a_vllm_the_layer_cannot_load_still_starts_engines_without_the_switch(monkeypatch, caplog):
+    """vLLM runs the entry point unguarded in every engine: where our layer's imports fail (another vLLM
+    moved a private name), register() must not raise, and only an engine with the switch is refused."""
+    import sys
+
+    from vllm.model_executor.layers.mamba.abstract import MambaBase
+
+    monkeypatch.setitem(sys.modules, "leapquant.integrations.vllm.layer", None)  # its import now fails
+    monkeypatch.setattr(plugin, "_registered", False)
+    monkeypatch.setattr(MambaBase, "get_kv_cache_spec", lambda layer, cfg: "spec")
+    with caplog.at_level("WARNING", logger="leapquant.integrations.vllm"):
+        plugin.register()
+    assert "its vLLM layer does not load against vllm" in caplog.text
+    ours = SimpleNamespace(leapquant=object())  # even a layer that looks like ours: the plugin is off
+    assert MambaBase.get_kv_cache_spec(ours, config({})) == "spec"
+    with pytest.raises(LeapQuantError, match="plugin is off: its vLLM layer does not load"):
+        MambaBase.get_kv_cache_spec(ours, config({"leapquant_method": "leapquant-int8"}))
+
+
+def test_lora_is_refused_with_the_switch():
+    from leapquant.integrations.vllm.layer import _gdn_pool
+
+    cfg = SimpleNamespace(additional_config={"leapquant_method": "leapquant-int8"}, lora_config=object())
+    with pytest.raises(LeapQuantError, match="LoRA adapters"):
+        _gdn_pool(cfg)
+    assert _gdn_pool(SimpleNamespace(additional_config={}, lora_config=object())) is None

@@ -11,7 +11,10 @@ The fields read are those of vLLM's ``GDNAttentionMetadata`` (``vllm/v1/attentio
 identical in vLLM 0.32.0 (tested end to end on the CPU) and the vLLM main-branch snapshots of that file we
 read: ``num_prefills``, ``num_prefill_tokens``, ``num_decodes``, ``num_decode_tokens``, ``num_spec_decodes``,
 ``num_actual_tokens``, ``has_initial_state``, ``non_spec_query_start_loc``, ``non_spec_state_indices_tensor``.
-vLLM orders a batch decodes first, then prefills; padded decode rows carry slot ``-1`` (``PAD_SLOT_ID``).
+vLLM orders a batch decodes first, then prefills. The adapter skips rows whose slot is ``-1``
+(``PAD_SLOT_ID``); vLLM 0.32 pads a CUDA-graph decode batch with block 0 instead (``NULL_BLOCK_ID``, a
+scratch block), so a CUDA port must map those rows to ``-1`` before the call (the CPU backend the plugin
+runs on does not pad).
 
 Token tensors are token-major as vLLM's layers hold them: ``q, k [T, H, K]``, ``v [T, HV, V]``, raw gates
 ``a [T, HV]`` (GDN) or ``[T, HV, K]`` (KDA), raw ``b [T, HV]``; outputs ``[T, HV, V]``.
@@ -166,7 +169,7 @@ def run_linear_attention(
     idx = batch.non_spec_state_indices_tensor
     n_dec, t_dec = batch.num_decodes, batch.num_decode_tokens
     if not batch.num_prefills:
-        # decode-only: a CUDA-graph batch is padded to num_actual_tokens rows whose slot is -1
+        # decode-only: a CUDA-graph batch is padded to num_actual_tokens rows (slot -1 rows are skipped)
         n_dec = t_dec = batch.num_actual_tokens
     if t_dec:
         tokens = [x[:t_dec] for x in (q, k, v, a, b)]

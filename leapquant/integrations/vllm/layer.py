@@ -51,6 +51,11 @@ def _gdn_pool(vllm_config) -> PoolConfig | None:
     method = configured_method(vllm_config)
     if method is None:
         return None
+    if getattr(vllm_config, "lora_config", None) is not None:
+        # untried with a LeapQuant state: refused at engine start rather than run unverified
+        raise LeapQuantError(
+            f"{CONFIG_KEY}: LoRA adapters (enable_lora) are not supported with a LeapQuant state"
+        )
     arch = vllm_config.model_config.architecture
     if arch != ARCHITECTURE:  # e.g. Qwen3.5: its page sizing and copy functions are not ours yet
         raise LeapQuantError(f"{CONFIG_KEY}: {arch} is not covered (the plugin runs {ARCHITECTURE})")
@@ -115,8 +120,6 @@ class LeapQuantGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
 
     def _forward_leapquant_cpu(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # the projections of QwenGatedDeltaNetAttention.forward_cpu; only the core op differs
-        if hasattr(self, "in_proj_qkv"):
-            raise LeapQuantError(f"{CONFIG_KEY}: LoRA on GDN layers is not supported")
         mixed_qkvz, _ = self.in_proj_qkvz(hidden_states)
         ba, _ = self.in_proj_ba(hidden_states)
         if self.gqa_interleaved_layout:
