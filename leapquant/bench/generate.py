@@ -72,6 +72,7 @@ def _timed_recurrent_calls(model, samples: list[float]):
     from ..integrations.transformers import SUPPORTED_LAYERS, linear_attention_layers
 
     installed: dict[tuple[str, str], tuple] = {}  # (module, name) -> (the wrapper, the function it wraps)
+    timing = [True]  # off once the block ends: a patch's dispatcher may still call a wrapper it wrapped
     try:
         for _, module in linear_attention_layers(model):
             module_name = type(module).__module__
@@ -86,7 +87,7 @@ def _timed_recurrent_calls(model, samples: list[float]):
                 try:
                     return _inner(query, *args, **kwargs)
                 finally:
-                    if query.shape[1] == 1:
+                    if timing[0] and query.shape[1] == 1:
                         samples.append(time.perf_counter() - start)
 
             # a patched layer finds the model's own function behind the dispatcher as ``__wrapped__``
@@ -95,10 +96,15 @@ def _timed_recurrent_calls(model, samples: list[float]):
             installed[module_name, fn_name] = (timed, inner)
         yield
     finally:
+        timing[0] = False
         for (module_name, fn_name), (timed, inner) in installed.items():
             namespace = sys.modules[module_name].__dict__
-            if namespace.get(fn_name) is timed:  # only our own wrapper comes off
+            current = namespace.get(fn_name)
+            if current is timed:
                 namespace[fn_name] = inner
+            elif getattr(current, "_leapquant_dispatcher", False) and current.__wrapped__ is timed:
+                # a patch made inside the block is still on: its unpatch must restore the function we found
+                current.__wrapped__ = inner
 
 
 def bench_generate(
