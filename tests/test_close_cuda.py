@@ -126,16 +126,14 @@ def test_shared_memory_size_is_the_kernels_layout(cfg, prefetch):
     """``shared_bytes`` (what the launch reserves) equals the ``SM_FLOATS`` of ``close.cu``'s layout, with
     and without the staging area of the next head."""
     text = SOURCE.read_text()  # where the launcher reads it: an installed package carries it too
-    macros = dict(re.findall(r"^#define (SM_\w+|CL_\w+|G_N|DEC_BYTES) (.+?)(?:\s*//.*)?$", text, re.M))
+    macros = dict(re.findall(r"^#define (SM_\w+|G_N|DEC_BYTES) (.+?)(?:\s*//.*)?$", text, re.M))
     options = compile_options(cfg, prefetch=prefetch)
     values = {"K": cfg.d_k, "V": cfg.d_v, "P": cfg.window, "R": cfg.compensators}
     values |= {m[0]: int(m[1]) for m in re.findall(r"^-D(LQ_\w+)=(\d+)$", "\n".join(options), re.M)}
-    values["CL_MAX"] = max  # the layout's one function-like macro
     assert values["LQ_PREFETCH"] == int(prefetch)
 
     def value(name: str) -> int:
-        expr = re.sub(r"\b(SM_\w+|CL_\w+|G_N|DEC_BYTES)\b",
-                      lambda m: f"({value(m.group(1))})" if m.group(1) in macros else m.group(1), macros[name])
+        expr = re.sub(r"\b(SM_\w+|G_N|DEC_BYTES)\b", lambda m: f"({value(m.group(1))})", macros[name])
         return eval(expr.replace("/", "//"), {}, values)  # C's integer division of non-negative ints
 
     assert 4 * value("SM_FLOATS") == shared_bytes(cfg, prefetch=prefetch)

@@ -1,6 +1,6 @@
 // Window close of a LeapQuant pool in CUDA C++: the same arithmetic as close.py's close_kernel (and
-// naive.close_ref), written with explicit data placement and the state's products on tensor cores.  Built at
-// run time by NVRTC (close_cuda.py) with the pool's shape as macros:
+// naive.close_ref), written with explicit data placement.  Built at run time by NVRTC (close_cuda.py) with
+// the pool's shape as macros:
 //
 //   LQ_P window, LQ_R compensator tokens (0..8), LQ_ITERS power iterations, LQ_RESIDUAL 2 (int8 bytes:
 //   int8, int6), 3 (fp8 e4m3) or 4 (packed int4), LQ_SMOOTH, LQ_VECTOR_DECAY (KDA), LQ_REC16 (fp16 records),
@@ -8,28 +8,18 @@
 //   shared memory while this one closes: close_cuda.prefetches decides, from the shared memory of an SM),
 //   LQ_DROP (the fraction of its norm under which a fit column is dropped as rounding noise).
 //
-// One 256-thread block per closing head holds the whole state S [V, K] = [128, 128] in registers, 64 entries
-// a thread, laid out as the accumulators of m16n8k8 tensor-core products (mma.sync, tf32): warp w owns key
-// columns 16w .. 16w+15 of every value row, and lane (g, t) = (lane / 4, lane % 4) holds rows 16m + g and
-// 16m + g + 8 (m = 0..7) of columns 16w + 4t .. 16w + 4t + 3.  So, with no data moved between layouts:
-//
-// * the rebuild S = scale C col + [Tu | vals] [Tk; keys] (tokens and records, rank R + P) is a product
-//   accumulated onto the dequantized codes; its inexact operand is split into tf32 halves (GDN: the values
-//   times their decays, against the fp16 keys; KDA: the decayed keys, against the fp16 values), so it is
-//   fp32-accurate as close.py's is;
-// * the fit's U = S Q uses the registers as the A operand of the same product (k-steps over this warp's 16
-//   columns, both operands split: three products), partial over the warps, summed in shared memory;
-//   Z = S^T basis sums along the values, which within a warp is a sum over its 8 lanes g, and needs no
-//   other warp: each warp owns its columns;
-// * the token subtraction S - U16 Q16^T is one exact product (fp16 operands are exact in tf32);
-// * the smoothing sums (along the values) are shuffles within a warp, the channel maxima and least-squares
-//   sums (along the keys) shuffles and one pass through shared memory over the 8 warps.
+// One 256-thread block per closing head holds the whole state S [V, K] = [128, 128] in registers, 8 x 8 per
+// thread, rebuilt once from the pool (close.py rebuilds it at every pass because its tiles cannot stay in
+// Triton's registers).  Thread (rb, cb) = (tid / 16, tid % 16) owns value rows rb*8 .. rb*8+7 and key
+// columns cb*4 .. cb*4+3 and 64+cb*4 .. 64+cb*4+3 (so a row's 16 threads read 64 contiguous bytes of int8
+// codes and shared-memory float4 reads fall on distinct banks).  The 16 threads of a row sit in one warp, so
+// sums along the keys (token values, row maxima) are four shuffles; sums along the values (the fit's
+// product, the smoothing sums) are one shuffle and one pass through shared memory over the 8 warps.
 //
 // Persistent: block b closes list entries b, b + gridDim.x, ... (the step kernel wrote the list).  With
 // LQ_PREFETCH the inputs of a block's next head (codes, scales, records, tokens) are copied into a staging
 // area by cp.async while the present head closes, so that only the first head of a block waits for global
-// memory; without it each head loads its own at the start.  Staged codes have the 16-byte pieces of each row
-// XOR-swizzled by the row, so that the loads of a warp's 8 rows g fall on distinct banks.
+// memory; without it each head loads its own at the start.
 
 #if !defined(LQ_P) || !defined(LQ_R) || !defined(LQ_ITERS) || !defined(LQ_RESIDUAL) || !defined(LQ_SMOOTH) || \
     !defined(LQ_VECTOR_DECAY) || !defined(LQ_REC16) || !defined(LQ_LS) || !defined(LQ_PREFETCH) || !defined(LQ_DROP)
@@ -40,15 +30,14 @@
 #define NT 256
 #define P LQ_P
 #define R LQ_R
-#define RG (R < 4 ? R : 4)                 // tokens per group of the fit's Z (registers: 4 x RG sums)
-#define RGP (RG == 3 ? 4 : RG)             // ... padded to a power of two for the reduce-scatter
+#define RG (R < 4 ? R : 4)  // tokens per group of a product (registers: 8 x RG partial sums)
 
 #if R > 8
 #error "at most 8 compensator tokens (and 5 to 7 are not supported: close_cuda.unsupported)"
 #endif
 // Timing ablations (scripts/close_cuda_ablation.py; the states they leave are wrong): bit 0 leaves out the
-// tokens' and records' product of the rebuild, bit 1 the fit, bit 2 the quantization arithmetic, bit 3 the
-// fit's Gram-Schmidt.
+// tokens' and records' rank-one updates of the rebuild, bit 1 the fit, bit 2 the quantization arithmetic,
+// bit 3 the fit's Gram-Schmidt.
 #ifndef LQ_ABLATE
 #define LQ_ABLATE 0
 #endif
@@ -84,25 +73,26 @@ typedef float dec_t;
 __device__ __forceinline__ float dec_load(const dec_t* p) { return *p; }
 #endif
 
-// One level of a reduce-scatter over the lanes that differ in bit ``o``: a lane holding N partial sums (or
-// maxima) keeps half (the upper half where its bit ``o`` is set) and combines the partner's copy of that
-// half; with one left it combines the partner's whole.  ``first`` tracks the index of the values kept.
-template <int N, bool MAX>
-__device__ __forceinline__ void scatter_level(float* a, int lane, int o, int& first) {
+// One level of a reduce-scatter over the 16 threads of a row: a thread holding N partial sums keeps half
+// (the upper half where bit ``o`` of its column block is set) and adds the partner's copy of that half;
+// with one sum left it adds the partner's whole.  ``first`` tracks the index of the sums kept.
+template <int N>
+__device__ __forceinline__ void scatter_level(float* a, int cb, int o, int& first) {
     if (N > 1) {
-        const bool upper = (lane & o) != 0;
+        const bool upper = (cb & o) != 0;
         #pragma unroll
         for (int t = 0; t < N / 2; ++t) {
             const float recv = __shfl_xor_sync(0xffffffffu, upper ? a[t] : a[N / 2 + t], o);
-            const float mine = upper ? a[N / 2 + t] : a[t];
-            a[t] = MAX ? fmaxf(mine, recv) : mine + recv;
+            a[t] = (upper ? a[N / 2 + t] : a[t]) + recv;
         }
         first += upper ? N / 2 : 0;
     } else {
-        const float recv = __shfl_xor_sync(0xffffffffu, a[0], o);
-        a[0] = MAX ? fmaxf(a[0], recv) : a[0] + recv;
+        a[0] += __shfl_xor_sync(0xffffffffu, a[0], o);
     }
 }
+
+// Column j (0..7) of thread cb's 8 key columns.
+__device__ __forceinline__ int key_col(int cb, int j) { return cb * 4 + (j & 3) + (j >> 2) * 64; }
 
 __device__ __forceinline__ float warp_sum(float x) {
     #pragma unroll
@@ -154,109 +144,82 @@ __device__ __forceinline__ float e4m3_value(unsigned byte) {
 #else
 #define ROW_BYTES K
 #endif
-#define CHUNKS (ROW_BYTES / 16)  // 16-byte pieces of a row of codes
 
-// Byte ``b`` of row ``v`` of a head's codes: staged codes (LQ_PREFETCH) have each row's 16-byte pieces
-// XOR-swizzled by the row; the pool's own are as stored.
-__device__ __forceinline__ int code_offset(int v, int b) {
-#if LQ_PREFETCH
-    return v * ROW_BYTES + ((((b >> 4) ^ v) & (CHUNKS - 1)) << 4) + (b & 15);
-#else
-    return v * ROW_BYTES + b;
-#endif
-}
-
-// The 4 codes of row v at this thread's columns 16w + 4t .. 16w + 4t + 3, as stored (int4: 16 bits).
-__device__ __forceinline__ unsigned load_codes(const unsigned char* codes, int v, int warp, int t) {
+// The raw code words of row v of a head's codes, this thread's 8 key columns (two words: columns cb*4..
+// and 64+cb*4..).
+__device__ __forceinline__ void load_code_words(const unsigned char* codes, int v, int cb, unsigned* w) {
+    const unsigned char* row = codes + v * ROW_BYTES;
 #if LQ_RESIDUAL == 4
-    return *(const unsigned short*)(codes + code_offset(v, 8 * warp + 2 * t));
+    w[0] = *(const unsigned short*)(row + cb * 2);
+    w[1] = *(const unsigned short*)(row + 32 + cb * 2);
 #else
-    return *(const unsigned*)(codes + code_offset(v, 16 * warp + 4 * t));
+    w[0] = *(const unsigned*)(row + cb * 4);
+    w[1] = *(const unsigned*)(row + 64 + cb * 4);
 #endif
 }
 
-// Those codes as floats.
-__device__ __forceinline__ void decode_codes(unsigned w, float* c) {
+// Those words as 8 float codes.
+__device__ __forceinline__ void decode_codes(const unsigned* w, float* c) {
     #pragma unroll
-    for (int u = 0; u < 4; ++u) {
+    for (int h = 0; h < 2; ++h)
+        #pragma unroll
+        for (int t = 0; t < 4; ++t) {
 #if LQ_RESIDUAL == 4
-        c[u] = (float)(((int)(w << (28 - 4 * u))) >> 28);
+            c[h * 4 + t] = (float)(((int)(w[h] << (28 - 4 * t))) >> 28);
 #elif LQ_RESIDUAL == 3
-        c[u] = e4m3_value((w >> (8 * u)) & 0xFFu);
+            c[h * 4 + t] = e4m3_value((w[h] >> (8 * t)) & 0xFFu);
 #else
-        c[u] = (float)(((int)(w << (24 - 8 * u))) >> 24);
+            c[h * 4 + t] = (float)(((int)(w[h] << (24 - 8 * t))) >> 24);
 #endif
-    }
+        }
 }
 
-// Store 4 codes (integer-valued or E4M3 grid floats) of row v at this thread's columns; ``head``: the closing
-// head's payload (head_at).
-__device__ __forceinline__ void store_codes(unsigned char* head, int v, int warp, int t, const float* x) {
-    unsigned w = 0;
+// ``head``: the closing head's payload (head_at).
+__device__ __forceinline__ void store_codes(unsigned char* head, int v, int cb, const float* x) {
 #if LQ_RESIDUAL == 4
+    unsigned char* row = head + v * (K / 2);
     #pragma unroll
-    for (int u = 0; u < 4; ++u) w |= ((unsigned)(int)x[u] & 0xFu) << (4 * u);
-    *(unsigned short*)(head + v * (K / 2) + 8 * warp + 2 * t) = (unsigned short)w;
-#else
-    #pragma unroll
-    for (int u = 0; u < 4; ++u) {
-#if LQ_RESIDUAL == 3
-        w |= e4m3_byte(x[u]) << (8 * u);
-#else
-        w |= ((unsigned)(int)x[u] & 0xFFu) << (8 * u);
-#endif
+    for (int h = 0; h < 2; ++h) {
+        unsigned w = 0;
+        #pragma unroll
+        for (int t = 0; t < 4; ++t) w |= ((unsigned)(int)x[h * 4 + t] & 0xFu) << (4 * t);
+        *(unsigned short*)(row + h * 32 + cb * 2) = (unsigned short)w;
     }
-    *(unsigned*)(head + v * K + 16 * warp + 4 * t) = w;
+#else
+    unsigned char* row = head + v * K;
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        unsigned w = 0;
+        #pragma unroll
+        for (int t = 0; t < 4; ++t) {
+#if LQ_RESIDUAL == 3
+            w |= e4m3_byte(x[h * 4 + t]) << (8 * t);
+#else
+            w |= ((unsigned)(int)x[h * 4 + t] & 0xFFu) << (8 * t);
+#endif
+        }
+        *(unsigned*)(row + h * 64 + cb * 4) = w;
+    }
 #endif
 }
-
-// D += A B on tensor cores, m16n8k8, tf32 operands (the upper 19 bits of each register), fp32 accumulators.
-__device__ __forceinline__ void mma_tf32(float& d0, float& d1, float& d2, float& d3, unsigned a0, unsigned a1,
-                                         unsigned a2, unsigned a3, unsigned b0, unsigned b1) {
-    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(d0), "+f"(d1), "+f"(d2), "+f"(d3)
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-// x = hi + lo with hi exact in tf32 (low 13 mantissa bits cleared) and lo rounded to tf32: a product of the
-// halves against an exact operand is fp32-accurate (close.py's _tf32_split).
-__device__ __forceinline__ unsigned tf32_hi(float x) { return __float_as_uint(x) & 0xFFFFE000u; }
-__device__ __forceinline__ unsigned tf32_lo(float x) {
-    unsigned lo;
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(lo) : "f"(x - __uint_as_float(tf32_hi(x))));
-    return lo;
-}
-
-// Row i (0..15) of this thread's state registers is value row 16 (i / 2) + g + 8 (i % 2).
-__device__ __forceinline__ int row_of(int i, int g) { return 16 * (i >> 1) + g + 8 * (i & 1); }
 
 #define G_N (P * (1 + (K - 1) * LQ_VECTOR_DECAY))    // log decays a head's records hold: [P] or [P][K]
 #define DEC_BYTES (4 - 2 * LQ_REC16 * LQ_VECTOR_DECAY)  // sizeof(dec_t)
 
-// The rebuild's product: ranks 0..R-1 the old tokens, R..R+P-1 the records, in CL_KS k-steps of 8 (zero
-// padded).  Its inexact operand is split: GDN's values (times their decays; its keys are fp16), KDA's keys
-// (decayed; its values are fp16), both with fp32 records.
-#define CL_KS ((R + P + 7) / 8)
-#define CL_ASPLIT (1 - LQ_VECTOR_DECAY * LQ_REC16)
-#define CL_BSPLIT (1 - (1 - LQ_VECTOR_DECAY) * LQ_REC16)
-#define CL_AW (4 + 4 * CL_ASPLIT)  // floats a lane's A fragment takes: 4 tf32 values (hi), and 4 lo if split
-#define CL_BW (4 + 4 * CL_BSPLIT)  // and its B fragments of a k-step (two n-tiles of 8 columns)
-#define CL_RP (4 + 4 * (R > 4))    // token values a value row holds in shared memory
-#define CL_MAX(a, b) ((a) > (b) ? (a) : (b))
-
-// Shared memory, in floats.  The fragments of the rebuild are dead once it is done: the reductions over the
-// warps (SM_RED) reuse their space.
-#define SM_FA 0                                   // [KS][8 m-tiles][32 lanes][AW] A fragments: values
-#define SM_FB (SM_FA + CL_KS * 8 * 32 * CL_AW)    // [KS][8 warps][32 lanes][BW] B fragments: keys
-#define SM_RED 0  // [8 warps][V][RP] partial token values; [8][V] channel maxima, [V][4] scales, [8][V][2] +ls
-#define SM_SCL (8 * V)                            // within SM_RED: [V][4] channel scale, reciprocal, fast
-#define SM_LS (12 * V)                            // within SM_RED: [8 warps][V][2] +ls sums
-#define SM_COL CL_MAX(SM_FB + CL_KS * 8 * 32 * CL_BW, CL_MAX(8 * V * CL_RP * (R > 0), 28 * V))  // [K]
-#define SM_BASIS (SM_COL + K)                     // [V][RP] the fit's value vectors (start, then tokens)
-#define SM_Q (SM_BASIS + V * CL_RP)               // [R][K] the fit's products, then orthonormal keys
+// Shared memory, in floats.
+#define SM_KEYS 0                    // [P][K] record keys (KDA: decayed to the window's end)
+#define SM_VALS (SM_KEYS + P * K)    // [P][V] record values (GDN: times the decay to the window's end)
+#define SM_TK (SM_VALS + P * V)      // [R][K] old token keys times the decay to the window's end
+#define SM_TU (SM_TK + R * K)        // [R][V] old token values
+#define SM_COL (SM_TU + R * V)       // [K] smoothing scale times the decay to the window's end
+#define SM_BASIS (SM_COL + K)        // [R][V] the fit's value vectors (start, then token values)
+#define SM_Q (SM_BASIS + R * V)      // [R][K] the fit's products, then orthonormal keys
+#define SM_RED (SM_Q + R * K)        // [8 warps][4][K] per-warp partial sums along the values
+#define SM_C (SM_RED + 8 * 4 * K)    // [K] smoothing scales
+#define SM_RC (SM_C + K)             // [K] their reciprocals
 // LQ_PREFETCH: the next head's inputs as stored (close_cuda.shared_bytes mirrors this; every region starts
 // on 16 bytes for cp.async)
-#define SM_STAGE (SM_Q + R * K)
+#define SM_STAGE (SM_RC + K)
 #define SM_ST_CODES SM_STAGE                                                   // [V][K] codes
 #define SM_ST_SCALE (SM_ST_CODES + V * K * (8 - 4 * (LQ_RESIDUAL == 4)) / 32)  // [V] channel scales
 #define SM_ST_G (SM_ST_SCALE + V)                                  // [G_N] log decays
@@ -269,17 +232,13 @@ __device__ __forceinline__ int row_of(int i, int g) { return 16 * (i >> 1) + g +
 #define SM_FLOATS (SM_STAGE + LQ_PREFETCH * (SM_STAGE_END - SM_STAGE))
 
 #if LQ_PREFETCH
-__device__ __forceinline__ unsigned shared_address(const void* p) {
-    unsigned s;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(s) : "l"(p));
-    return s;
-}
 // Asynchronous copy of BYTES from global to shared memory by the whole block, in PIECE-byte pieces (16 where
 // the sizes allow: close_cuda.py builds this only for pools whose tensors start on 16 bytes).
 template <int BYTES, int PIECE = (BYTES % 16 == 0 ? 16 : 4)>
 __device__ __forceinline__ void copy_async(float* dst, const void* src, int tid) {
     static_assert(BYTES % 4 == 0, "the inputs are 4-byte multiples");
-    const unsigned s = shared_address(dst);
+    unsigned s;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(s) : "l"(dst));
     const char* g = (const char*)src;
     #pragma unroll
     for (int i = 0; i < (BYTES + NT * PIECE - 1) / (NT * PIECE); ++i) {  // a fixed count: unrolled
@@ -289,17 +248,6 @@ __device__ __forceinline__ void copy_async(float* dst, const void* src, int tid)
             asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s + o), "l"(g + o) : "memory");
         else
             asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(s + o), "l"(g + o) : "memory");
-    }
-}
-// The same for a head's codes, each row's 16-byte pieces swizzled (code_offset).
-__device__ __forceinline__ void copy_codes_async(float* dst, const unsigned char* src, int tid) {
-    static_assert(V * CHUNKS % NT == 0, "whole pieces per thread");
-    const unsigned s = shared_address(dst);
-    #pragma unroll
-    for (int i = 0; i < V * CHUNKS / NT; ++i) {
-        const int piece = i * NT + tid, v = piece / CHUNKS;
-        const int o = code_offset(v, (piece % CHUNKS) * 16);
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s + o), "l"(src + piece * 16) : "memory");
     }
 }
 #endif
@@ -312,32 +260,6 @@ __device__ __forceinline__ T* head_at(T* base, long long i_s, int n, int hv, int
     return base + i_s * n + (i_s / hv) * (long long)shift;
 }
 
-// Store a value of the rebuild's B operand (rank ``rank``, key column ``k``) into its fragment slot: the
-// k-step's lane (g, t) of warp k / 16 holds ranks 8 ks + t (b0) and 8 ks + t + 4 (b1) of columns
-// 16w + 4 (g / 2) + 2 e + g % 2 of its n-tiles e = 0, 1.
-__device__ __forceinline__ void store_b(float* sm, int rank, int k, float x) {
-    const int kk = k & 15, g = ((kk >> 2) << 1) | (kk & 1), e = (kk >> 1) & 1;
-    float* f = sm + SM_FB + (((rank >> 3) * 8 + (k >> 4)) * 32 + 4 * g + (rank & 3)) * CL_BW + 2 * e + ((rank >> 2) & 1);
-#if CL_BSPLIT
-    f[0] = __uint_as_float(tf32_hi(x));
-    f[4] = __uint_as_float(tf32_lo(x));
-#else
-    f[0] = x;
-#endif
-}
-
-// Store a lane's A fragment of the rebuild (4 values: rows g, g + 8 of ranks t, t + 4) into its slots.
-__device__ __forceinline__ void store_a(float* f, const float* x) {
-#if CL_ASPLIT
-    *(float4*)f = make_float4(__uint_as_float(tf32_hi(x[0])), __uint_as_float(tf32_hi(x[1])),
-                              __uint_as_float(tf32_hi(x[2])), __uint_as_float(tf32_hi(x[3])));
-    *(float4*)(f + 4) = make_float4(__uint_as_float(tf32_lo(x[0])), __uint_as_float(tf32_lo(x[1])),
-                                    __uint_as_float(tf32_lo(x[2])), __uint_as_float(tf32_lo(x[3])));
-#else
-    *(float4*)f = make_float4(x[0], x[1], x[2], x[3]);
-#endif
-}
-
 extern "C" __global__ void __launch_bounds__(NT, 2) leapquant_close(
     const int* __restrict__ close_list, const int* __restrict__ close_count, unsigned char* payload,
     float* scale_v, float* smooth, half_bits* comp_k, half_bits* comp_u, const dec_t* __restrict__ rec_g,
@@ -346,7 +268,7 @@ extern "C" __global__ void __launch_bounds__(NT, 2) leapquant_close(
     int sh_rec_k, int sh_rec_u, int sh_pos) {
     extern __shared__ __align__(16) float sm[];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const int g = lane >> 2, t = lane & 3;
+    const int rb = tid >> 4, cb = tid & 15;
     const float smooth_floor = (float)smooth_floor_d, qmax = (float)qmax_d;
     const int count = *close_count;
     (void)smooth_floor;
@@ -356,7 +278,7 @@ extern "C" __global__ void __launch_bounds__(NT, 2) leapquant_close(
     auto stage = [&](int head) {
         const long long h = head;
         static_assert(sizeof(dec_t) == DEC_BYTES, "the staging layout's decay size");
-        copy_codes_async(sm + SM_ST_CODES, head_at(payload, h, V * ROW_BYTES, hv, sh_payload), tid);
+        copy_async<V * ROW_BYTES>(sm + SM_ST_CODES, head_at(payload, h, V * ROW_BYTES, hv, sh_payload), tid);
         copy_async<V * 4>(sm + SM_ST_SCALE, head_at(scale_v, h, V, hv, sh_scale), tid);
         copy_async<G_N * DEC_BYTES>(sm + SM_ST_G, head_at(rec_g, h, G_N, hv, sh_rec_g), tid);
         copy_async<P * K * (int)sizeof(rec_t)>(sm + SM_ST_RK, head_at(rec_k, h, P * K, hv, sh_rec_k), tid);
@@ -407,15 +329,15 @@ extern "C" __global__ void __launch_bounds__(NT, 2) leapquant_close(
 
         // the codes and channel scales first: (without staging) their loads are in flight while the factors
         // are prepared
-        unsigned words[16];
-        float sc[16];
+        unsigned words[8][2];
+        float sc[8];
         #pragma unroll
-        for (int i = 0; i < 16; ++i) {
-            words[i] = load_codes(in_codes, row_of(i, g), warp, t);
-            sc[i] = in_scale[row_of(i, g)];
+        for (int i = 0; i < 8; ++i) {
+            load_code_words(in_codes, rb * 8 + i, cb, words[i]);
+            sc[i] = in_scale[rb * 8 + i];
         }
 
-        // ---- the head's factors (close.py _window_factors) as the rebuild's fragments ----
+        // ---- the head's factors (close.py _window_factors), every load of a loop issued at once ----
 #if LQ_VECTOR_DECAY
         // KDA: the decay from record p to the window's end is the sum of the decays after it, summed from the
         // window's end down (the Triton close and naive.py sum the same terms in other orders)
@@ -424,7 +346,7 @@ extern "C" __global__ void __launch_bounds__(NT, 2) leapquant_close(
             float since = 0.f;
             #pragma unroll
             for (int p = P - 1; p >= 0; --p) {
-                store_b(sm, R + p, tid, rec_load(in_rk + p * K + tid) * expf(since));
+                sm[SM_KEYS + p * K + tid] = rec_load(in_rk + p * K + tid) * expf(since);
                 since += dec_load(in_g + p * K + tid);
             }
             const float end = expf(since);
@@ -434,70 +356,53 @@ extern "C" __global__ void __launch_bounds__(NT, 2) leapquant_close(
             sm[SM_COL + tid] = end;
 #endif
             #pragma unroll
-            for (int r = 0; r < R; ++r) store_b(sm, r, tid, h2f(in_ck[r * K + tid]) * end);
+            for (int r = 0; r < R; ++r) sm[SM_TK + r * K + tid] = h2f(in_ck[r * K + tid]) * end;
+        } else {  // the other threads: the record and token values as stored
             #pragma unroll
-            for (int rank = R + P; rank < 8 * CL_KS; ++rank) store_b(sm, rank, tid, 0.0f);
-        } else {  // the other threads: the record and token values as stored, lane by lane of each m-tile
-            for (int blk = tid - K; blk < CL_KS * 8 * 32; blk += NT - K) {
-                const int ks = blk >> 8, m = (blk >> 5) & 7, bl = blk & 31;
-                float x[4];
-                #pragma unroll
-                for (int u = 0; u < 4; ++u) {
-                    const int v = 16 * m + (bl >> 2) + 8 * (u & 1), rank = 8 * ks + (bl & 3) + 4 * (u >> 1);
-                    x[u] = rank < R ? h2f(in_cu[rank * V + v]) : rank < R + P ? rec_load(in_ru + (rank - R) * V + v) : 0.0f;
-                }
-                store_a(sm + SM_FA + blk * CL_AW, x);
+            for (int t = 0; t < (P * V + NT - K - 1) / (NT - K); ++t) {
+                const int e = tid - K + t * (NT - K);
+                if (e < P * V) sm[SM_VALS + e] = rec_load(in_ru + e);
+            }
+            #pragma unroll
+            for (int t = 0; t < (R * V + NT - K - 1) / (NT - K); ++t) {
+                const int e = tid - K + t * (NT - K);
+                if (e < R * V) sm[SM_TU + e] = h2f(in_cu[e]);
             }
         }
-#else  // GDN: the running sums as stored; the decays go with the values (the keys stay exact)
-        {
-            const float* gs = in_g;
-            const float g_end = gs[P - 1];
-            const float end = expf(g_end);
-            #pragma unroll
-            for (int ks = 0; ks < CL_KS; ++ks) {  // fragment (ks, m = warp, lane) of A, (ks, warp, lane) of B
-                float x[4], y[4];
-                #pragma unroll
-                for (int u = 0; u < 4; ++u) {
-                    const int v = 16 * warp + g + 8 * (u & 1), rank = 8 * ks + t + 4 * (u >> 1);
-                    x[u] = rank < R ? h2f(in_cu[rank * V + v]) * end
-                         : rank < R + P ? rec_load(in_ru + (rank - R) * V + v) * expf(g_end - gs[rank - R]) : 0.0f;
-                    const int rb = 8 * ks + t + 4 * (u & 1);
-                    const int k = 16 * warp + 4 * (g >> 1) + 2 * (u >> 1) + (g & 1);
-                    y[u] = rb < R ? h2f(in_ck[rb * K + k]) : rb < R + P ? rec_load(in_rk + (rb - R) * K + k) : 0.0f;
-                }
-                store_a(sm + SM_FA + ((ks * 8 + warp) * 32 + lane) * CL_AW, x);
-                float* fb = sm + SM_FB + ((ks * 8 + warp) * 32 + lane) * CL_BW;
-#if CL_BSPLIT
-                *(float4*)fb = make_float4(__uint_as_float(tf32_hi(y[0])), __uint_as_float(tf32_hi(y[1])),
-                                           __uint_as_float(tf32_hi(y[2])), __uint_as_float(tf32_hi(y[3])));
-                *(float4*)(fb + 4) = make_float4(__uint_as_float(tf32_lo(y[0])), __uint_as_float(tf32_lo(y[1])),
-                                                 __uint_as_float(tf32_lo(y[2])), __uint_as_float(tf32_lo(y[3])));
-#else
-                *(float4*)fb = make_float4(y[0], y[1], y[2], y[3]);
-#endif
-            }
-            if (tid < K) {
+#else  // GDN: the running sums as stored
+        const float* g = in_g;
+        const float g_end = g[P - 1];
+#define END_DECAY(k) expf(g_end)
+        #pragma unroll
+        for (int t = 0; t < (P * K + NT - 1) / NT; ++t) {
+            const int e = tid + t * NT;
+            if (e < P * K) sm[SM_KEYS + e] = rec_load(in_rk + e);
+        }
+        #pragma unroll
+        for (int t = 0; t < (P * V + NT - 1) / NT; ++t) {
+            const int e = tid + t * NT;
+            if (e < P * V) sm[SM_VALS + e] = rec_load(in_ru + e) * expf(g_end - g[e / V]);
+        }
+        if (tid < K) {
 #if LQ_SMOOTH
-                sm[SM_COL + tid] = in_smooth[tid] * end;
+            sm[SM_COL + tid] = in_smooth[tid] * END_DECAY(tid);
 #else
-                sm[SM_COL + tid] = end;
+            sm[SM_COL + tid] = END_DECAY(tid);
 #endif
-            }
+        }
+#if R > 0
+        #pragma unroll
+        for (int t = 0; t < (R * K + NT - 1) / NT; ++t) {
+            const int e = tid + t * NT;
+            if (e < R * K) sm[SM_TK + e] = h2f(in_ck[e]) * END_DECAY(e % K);
+        }
+        #pragma unroll
+        for (int t = 0; t < (R * V + NT - 1) / NT; ++t) {
+            const int e = tid + t * NT;
+            if (e < R * V) sm[SM_TU + e] = h2f(in_cu[e]);
         }
 #endif
-#if R > 0 && !(LQ_ABLATE & 2)
-        // the fit's warm start: the previous token values (hashed +-1 where a token is zero)
-        if (warp < R) {  // warp r decides whether token r's old values are usable
-            float n2 = 0.0f;
-            for (int e = lane; e < V; e += 32) {
-                const float u = h2f(in_cu[warp * V + e]);
-                n2 += u * u;
-            }
-            const bool usable = sqrtf(warp_sum(n2)) > 1e-30f;
-            for (int e = lane; e < V; e += 32)
-                sm[SM_BASIS + e * CL_RP + warp] = usable ? h2f(in_cu[warp * V + e]) : start_vector(e, warp);
-        }
+#undef END_DECAY
 #endif
         __syncthreads();
 #if LQ_PREFETCH
@@ -505,81 +410,81 @@ extern "C" __global__ void __launch_bounds__(NT, 2) leapquant_close(
         if (i_next >= 0) stage(i_next);
 #endif
 
-        // ---- the state at the window's end, S = scale C col + [Tu | vals] [Tk; keys], in registers ----
-        // s[i][c] = S[row_of(i, g)][16 warp + 4 t + c]; the product's n-tile e of m-tile m accumulates
-        // s[2m][2e], s[2m][2e + 1], s[2m + 1][2e], s[2m + 1][2e + 1]
-        float s[16][4];
+        // ---- the state at the window's end, S = scale C col + Tu Tk^T + vals^T keys, in registers ----
+        float s[8][8];
         {
-            const float4 cv = *(const float4*)(sm + SM_COL + 16 * warp + 4 * t);
-            const float col[4] = {cv.x, cv.y, cv.z, cv.w};
+            float col[8];
             #pragma unroll
-            for (int i = 0; i < 16; ++i) {
-                float c[4];
+            for (int j = 0; j < 8; ++j) col[j] = sm[SM_COL + key_col(cb, j)];
+            #pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                float c[8];
                 decode_codes(words[i], c);
                 #pragma unroll
-                for (int u = 0; u < 4; ++u) s[i][u] = c[u] * sc[i] * col[u];
+                for (int j = 0; j < 8; ++j) s[i][j] = c[j] * sc[i] * col[j];
             }
         }
+        // tokens, then records: rank-one updates, operands read from shared memory
 #if !(LQ_ABLATE & 1)
-        for (int ks = 0; ks < CL_KS; ++ks) {
-            const float* fb = sm + SM_FB + ((ks * 8 + warp) * 32 + lane) * CL_BW;
-            const uint4 bh = *(const uint4*)fb;
-#if CL_BSPLIT
-            const uint4 bl = *(const uint4*)(fb + 4);
-#endif
+        #pragma unroll 4
+        for (int t = 0; t < R + P; ++t) {
+            const float* a = t < R ? sm + SM_TU + t * V : sm + SM_VALS + (t - R) * V;
+            const float* b = t < R ? sm + SM_TK + t * K : sm + SM_KEYS + (t - R) * K;
+            const float4 a0 = *(const float4*)(a + rb * 8), a1 = *(const float4*)(a + rb * 8 + 4);
+            const float4 b0 = *(const float4*)(b + cb * 4), b1 = *(const float4*)(b + 64 + cb * 4);
+            const float av[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+            const float bv[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
             #pragma unroll
-            for (int m = 0; m < 8; ++m) {
-                const float* fa = sm + SM_FA + ((ks * 8 + m) * 32 + lane) * CL_AW;
-                const uint4 ah = *(const uint4*)fa;
-#if CL_ASPLIT
-                const uint4 al = *(const uint4*)(fa + 4);
-#endif
+            for (int i = 0; i < 8; ++i)
                 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    float &d0 = s[2 * m][2 * e], &d1 = s[2 * m][2 * e + 1];
-                    float &d2 = s[2 * m + 1][2 * e], &d3 = s[2 * m + 1][2 * e + 1];
-                    const unsigned b0 = e ? bh.z : bh.x, b1 = e ? bh.w : bh.y;
-#if CL_ASPLIT
-                    mma_tf32(d0, d1, d2, d3, al.x, al.y, al.z, al.w, b0, b1);
-#endif
-#if CL_BSPLIT
-                    mma_tf32(d0, d1, d2, d3, ah.x, ah.y, ah.z, ah.w, e ? bl.z : bl.x, e ? bl.w : bl.y);
-#endif
-                    mma_tf32(d0, d1, d2, d3, ah.x, ah.y, ah.z, ah.w, b0, b1);
-                }
-            }
+                for (int j = 0; j < 8; ++j) s[i][j] = fmaf(av[i], bv[j], s[i][j]);
         }
 #endif
 
 #if R > 0 && !(LQ_ABLATE & 2)
-        // ---- the fit ----
+        // ---- the fit: warm start (previous token values; hashed +-1 where a token is zero) ----
+        if (warp < R) {  // warp r decides whether token r's old values are usable
+            float n2 = 0.0f;
+            for (int e = lane; e < V; e += 32) n2 += sm[SM_TU + warp * V + e] * sm[SM_TU + warp * V + e];
+            const bool usable = sqrtf(warp_sum(n2)) > 1e-30f;
+            for (int e = lane; e < V; e += 32)
+                sm[SM_BASIS + warp * V + e] = usable ? sm[SM_TU + warp * V + e] : start_vector(e, warp);
+        }
+        __syncthreads();
         for (int it = 0; it < LQ_ITERS; ++it) {
-            // Z = S^T basis [K, R]: this thread's 16 rows, then a reduce-scatter over the warp's 8 lanes g;
-            // the warp's columns are its own, so each sum is whole there
+            // Z = S^T basis [K, R]: partial over this thread's rows, then over the warp's two row blocks,
+            // then over the 8 warps through shared memory
             for (int r0 = 0; r0 < R; r0 += RG) {
-                float z[4 * RGP];
+                float acc[RG][8];
                 #pragma unroll
-                for (int q = 0; q < 4 * RGP; ++q) z[q] = 0.0f;
+                for (int rr = 0; rr < RG; ++rr) {
+                    const float* bs = sm + SM_BASIS + (r0 + rr) * V + rb * 8;
+                    #pragma unroll
+                    for (int j = 0; j < 8; ++j) {
+                        float z = 0.0f;
+                        #pragma unroll
+                        for (int i = 0; i < 8; ++i) z = fmaf(s[i][j], bs[i], z);
+                        acc[rr][j] = z;
+                    }
+                }
                 #pragma unroll
-                for (int i = 0; i < 16; ++i) {
-                    const float4 b4 = *(const float4*)(sm + SM_BASIS + row_of(i, g) * CL_RP + r0);
-                    const float bv[4] = {b4.x, b4.y, b4.z, b4.w};
+                for (int rr = 0; rr < RG; ++rr)
+                    #pragma unroll
+                    for (int j = 0; j < 8; ++j) acc[rr][j] += __shfl_xor_sync(0xffffffffu, acc[rr][j], 16);
+                if (lane < 16)
                     #pragma unroll
                     for (int rr = 0; rr < RG; ++rr)
                         #pragma unroll
-                        for (int u = 0; u < 4; ++u) z[rr * 4 + u] = fmaf(s[i][u], bv[rr], z[rr * 4 + u]);
+                        for (int j = 0; j < 8; ++j) sm[SM_RED + (warp * 4 + rr) * K + key_col(cb, j)] = acc[rr][j];
+                __syncthreads();
+                for (int e = tid; e < RG * K; e += NT) {
+                    float z = 0.0f;
+                    #pragma unroll
+                    for (int w = 0; w < 8; ++w) z += sm[SM_RED + w * 4 * K + e];
+                    sm[SM_Q + r0 * K + e] = z;
                 }
-                int first = 0;
-                scatter_level<4 * RGP, false>(z, lane, 16, first);
-                scatter_level<2 * RGP, false>(z, lane, 8, first);
-                scatter_level<RGP, false>(z, lane, 4, first);
-                #pragma unroll
-                for (int q = 0; q < (RGP > 1 ? RGP / 2 : 1); ++q) {
-                    const int rr = (first + q) >> 2, u = (first + q) & 3;
-                    if (rr < RG) sm[SM_Q + (r0 + rr) * K + 16 * warp + 4 * t + u] = z[q];
-                }
+                __syncthreads();
             }
-            __syncthreads();
             // Q = orth(Z): modified Gram-Schmidt, as methods.compensators.orthonormalize, right-looking: warp h
             // holds column h; once warp p has normalized q_p, every later column subtracts its projection on
             // q_p at once.  Each column sees the same operations in the same order as in the one-column-at-a-
@@ -591,9 +496,9 @@ extern "C" __global__ void __launch_bounds__(NT, 2) leapquant_close(
                 float c[4], before = 0.0f;
                 if (warp < R) {
                     #pragma unroll
-                    for (int q = 0; q < 4; ++q) c[q] = sm[SM_Q + warp * K + lane + 32 * q];
+                    for (int t = 0; t < 4; ++t) c[t] = sm[SM_Q + warp * K + lane + 32 * t];
                     #pragma unroll
-                    for (int q = 0; q < 4; ++q) before += c[q] * c[q];
+                    for (int t = 0; t < 4; ++t) before += c[t] * c[t];
                     before = __fsqrt_rn(warp_sum(before));
                 }
                 #pragma unroll
@@ -601,121 +506,123 @@ extern "C" __global__ void __launch_bounds__(NT, 2) leapquant_close(
                     if (warp == p) {
                         float n2 = 0.0f;
                         #pragma unroll
-                        for (int q = 0; q < 4; ++q) n2 += c[q] * c[q];
+                        for (int t = 0; t < 4; ++t) n2 += c[t] * c[t];
                         const float norm = __fsqrt_rn(warp_sum(n2));
                         const bool keep = norm > 1e-30f && norm > (float)(LQ_DROP) * before;
                         #pragma unroll
-                        for (int q = 0; q < 4; ++q)
-                            sm[SM_Q + p * K + lane + 32 * q] = keep ? __fdiv_rn(c[q], fmaxf(norm, 1e-30f)) : 0.0f;
+                        for (int t = 0; t < 4; ++t)
+                            sm[SM_Q + p * K + lane + 32 * t] = keep ? __fdiv_rn(c[t], fmaxf(norm, 1e-30f)) : 0.0f;
                     }
                     if (p + 1 < R) {
                         __syncthreads();  // q_p is written; every thread meets this barrier
                         if (warp > p && warp < R) {
                             float d = 0.0f;
                             #pragma unroll
-                            for (int q = 0; q < 4; ++q) d += sm[SM_Q + p * K + lane + 32 * q] * c[q];
+                            for (int t = 0; t < 4; ++t) d += sm[SM_Q + p * K + lane + 32 * t] * c[t];
                             d = warp_sum(d);
                             #pragma unroll
-                            for (int q = 0; q < 4; ++q) c[q] -= d * sm[SM_Q + p * K + lane + 32 * q];
+                            for (int t = 0; t < 4; ++t) c[t] -= d * sm[SM_Q + p * K + lane + 32 * t];
                         }
                     }
                 }
             }
 #endif
             __syncthreads();
-            // token values U = S Q [V, R]: the state's registers are the A operand (k-step e of this warp:
-            // slots t and t + 4 are columns 16 warp + 4t + 2e and + 1), Q the B operand (column g: token g),
-            // both split into tf32 halves; partial over this warp's columns, summed over the warps below
-            {
-                unsigned qh[4], ql[4];
+            // token values U = S Q [V, R]: partial over this thread's columns, then over the row's 16 threads
+            for (int r0 = 0; r0 < R; r0 += RG) {
+                float acc[RG][8];
                 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    float2 q2 = make_float2(0.0f, 0.0f);
-                    if (g < R) q2 = *(const float2*)(sm + SM_Q + g * K + 16 * warp + 4 * t + 2 * e);
-                    qh[2 * e] = tf32_hi(q2.x), qh[2 * e + 1] = tf32_hi(q2.y);
-                    ql[2 * e] = tf32_lo(q2.x), ql[2 * e + 1] = tf32_lo(q2.y);
-                }
-                #pragma unroll
-                for (int m = 0; m < 8; ++m) {
-                    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                for (int rr = 0; rr < RG; ++rr) {
+                    const float* q = sm + SM_Q + (r0 + rr) * K;
+                    const float4 q0 = *(const float4*)(q + cb * 4), q1 = *(const float4*)(q + 64 + cb * 4);
+                    const float qv[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
                     #pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const float a[4] = {s[2 * m][2 * e], s[2 * m + 1][2 * e], s[2 * m][2 * e + 1], s[2 * m + 1][2 * e + 1]};
-                        unsigned ah[4], al[4];
+                    for (int i = 0; i < 8; ++i) {
+                        float u = 0.0f;
                         #pragma unroll
-                        for (int u = 0; u < 4; ++u) ah[u] = tf32_hi(a[u]), al[u] = tf32_lo(a[u]);
-                        mma_tf32(acc[0], acc[1], acc[2], acc[3], al[0], al[1], al[2], al[3], qh[2 * e], qh[2 * e + 1]);
-                        mma_tf32(acc[0], acc[1], acc[2], acc[3], ah[0], ah[1], ah[2], ah[3], ql[2 * e], ql[2 * e + 1]);
-                        mma_tf32(acc[0], acc[1], acc[2], acc[3], ah[0], ah[1], ah[2], ah[3], qh[2 * e], qh[2 * e + 1]);
-                    }
-                    // acc: U[16m + g][2t], [16m + g][2t + 1], [16m + g + 8][2t], [16m + g + 8][2t + 1]
-                    if (2 * t < R) {
-                        float* red = sm + SM_RED + (warp * V + 16 * m + g) * CL_RP + 2 * t;
-                        red[0] = acc[0];
-                        red[8 * CL_RP] = acc[2];
-                        if (2 * t + 1 < R) red[1] = acc[1], red[8 * CL_RP + 1] = acc[3];
+                        for (int j = 0; j < 8; ++j) u = fmaf(s[i][j], qv[j], u);
+                        acc[rr][i] = u;
                     }
                 }
-            }
-            __syncthreads();
-            for (int e = tid; e < V * CL_RP; e += NT) {
-                if (e % CL_RP < R) {
-                    float u = 0.0f;
+#if (RG & (RG - 1)) == 0
+                // reduce-scatter over the row's 16 threads: at each level a thread keeps half of its sums
+                // and adds the partner's half (30 shuffles for 4 tokens, not 128), ending with RG / 2 of them
+                float a[RG * 8];  // a[m], m = rr * 8 + i
+                #pragma unroll
+                for (int m = 0; m < RG * 8; ++m) a[m] = acc[m / 8][m % 8];
+                int first = 0;
+                scatter_level<RG * 8>(a, cb, 8, first);
+                scatter_level<RG * 4>(a, cb, 4, first);
+                scatter_level<RG * 2>(a, cb, 2, first);
+                scatter_level<RG>(a, cb, 1, first);
+                #pragma unroll
+                for (int t = 0; t < (RG > 1 ? RG / 2 : 1); ++t) {
+                    const int m = first + t;
+                    sm[SM_BASIS + (r0 + m / 8) * V + rb * 8 + m % 8] = a[t];
+                }
+#else
+                #pragma unroll
+                for (int o = 1; o < 16; o <<= 1)
                     #pragma unroll
-                    for (int w = 0; w < 8; ++w) u += sm[SM_RED + w * V * CL_RP + e];
-                    sm[SM_BASIS + e] = u;
-                }
+                    for (int rr = 0; rr < RG; ++rr)
+                        #pragma unroll
+                        for (int i = 0; i < 8; ++i) acc[rr][i] += __shfl_xor_sync(0xffffffffu, acc[rr][i], o);
+                if (cb == 0)
+                    #pragma unroll
+                    for (int rr = 0; rr < RG; ++rr)
+                        #pragma unroll
+                        for (int i = 0; i < 8; ++i) sm[SM_BASIS + (r0 + rr) * V + rb * 8 + i] = acc[rr][i];
+#endif
             }
             __syncthreads();
         }
-        // residual S - U16 Q16^T (both rounded to fp16, as they are stored): one exact product, ranks t and t + 4
-        {
-            unsigned qb[4];
+        // residual S - U16 Q16^T (both rounded to fp16, as they are stored)
+        for (int r = 0; r < R; ++r) {
+            const float* u = sm + SM_BASIS + r * V + rb * 8;
+            const float* q = sm + SM_Q + r * K;
+            float uv[8], qv[8];
             #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int k = 16 * warp + 4 * (g >> 1) + 2 * e + (g & 1);
-                qb[2 * e] = t < R ? __float_as_uint(round_f16(sm[SM_Q + t * K + k])) : 0u;
-                qb[2 * e + 1] = t + 4 < R ? __float_as_uint(round_f16(sm[SM_Q + (t + 4) * K + k])) : 0u;
-            }
+            for (int i = 0; i < 8; ++i) uv[i] = round_f16(u[i]);
             #pragma unroll
-            for (int m = 0; m < 8; ++m) {
-                const float* u0 = sm + SM_BASIS + (16 * m + g) * CL_RP;
-                const float* u1 = u0 + 8 * CL_RP;
-                const unsigned a0 = t < R ? __float_as_uint(-round_f16(u0[t])) : 0u;
-                const unsigned a1 = t < R ? __float_as_uint(-round_f16(u1[t])) : 0u;
-                const unsigned a2 = t + 4 < R ? __float_as_uint(-round_f16(u0[t + 4])) : 0u;
-                const unsigned a3 = t + 4 < R ? __float_as_uint(-round_f16(u1[t + 4])) : 0u;
+            for (int j = 0; j < 8; ++j) qv[j] = round_f16(q[key_col(cb, j)]);
+            #pragma unroll
+            for (int i = 0; i < 8; ++i)
                 #pragma unroll
-                for (int e = 0; e < 2; ++e)
-                    mma_tf32(s[2 * m][2 * e], s[2 * m][2 * e + 1], s[2 * m + 1][2 * e], s[2 * m + 1][2 * e + 1],
-                             a0, a1, a2, a3, qb[2 * e], qb[2 * e + 1]);
-            }
+                for (int j = 0; j < 8; ++j) s[i][j] = fmaf(-uv[i], qv[j], s[i][j]);
         }
 #endif
 
-        // ---- smoothing scales c_k = sqrt(mean_v |R_vk|): sums over this thread's rows, then the warp's g ----
+        // ---- smoothing scales c_k = sqrt(mean_v |R_vk|) ----
 #if LQ_SMOOTH
-        float cval[4];
         {
+            float cs[8];
             #pragma unroll
-            for (int u = 0; u < 4; ++u) {
+            for (int j = 0; j < 8; ++j) {
                 float a = 0.0f;
                 #pragma unroll
-                for (int i = 0; i < 16; ++i) a += fabsf(s[i][u]);
-                cval[u] = a;
+                for (int i = 0; i < 8; ++i) a += fabsf(s[i][j]);
+                cs[j] = a + __shfl_xor_sync(0xffffffffu, a, 16);
             }
-            #pragma unroll
-            for (int o = 4; o < 32; o <<= 1)
+            if (lane < 16)
                 #pragma unroll
-                for (int u = 0; u < 4; ++u) cval[u] += __shfl_xor_sync(0xffffffffu, cval[u], o);
-            #pragma unroll
-            for (int u = 0; u < 4; ++u) {
-                cval[u] = fmaxf(__fsqrt_rn(cval[u] * (1.0f / V)), smooth_floor);
-                const float rc = __frcp_rn(cval[u]);
+                for (int j = 0; j < 8; ++j) sm[SM_RED + warp * 4 * K + key_col(cb, j)] = cs[j];
+            __syncthreads();
+            if (tid < K) {
+                float a = 0.0f;
                 #pragma unroll
-                for (int i = 0; i < 16; ++i) s[i][u] *= rc;
+                for (int w = 0; w < 8; ++w) a += sm[SM_RED + w * 4 * K + tid];
+                const float c = fmaxf(__fsqrt_rn(a * (1.0f / V)), smooth_floor);
+                sm[SM_C + tid] = c;
+                sm[SM_RC + tid] = __frcp_rn(c);
             }
+            __syncthreads();
         }
+        float rcv[8];
+        #pragma unroll
+        for (int j = 0; j < 8; ++j) rcv[j] = sm[SM_RC + key_col(cb, j)];
+#define SMOOTHED(i, j) (s[i][j] * rcv[j])
+#else
+#define SMOOTHED(i, j) (s[i][j])
 #endif
 
         // ---- per-value-channel scales and codes ----
@@ -726,110 +633,85 @@ extern "C" __global__ void __launch_bounds__(NT, 2) leapquant_close(
         // scales outside [2^-60, 2^60] (their reciprocals could leave the normal range) divide exactly.
 #if LQ_ABLATE & 4
         #pragma unroll
-        for (int i = 0; i < 16; ++i) {
-            float x[4];
+        for (int i = 0; i < 8; ++i) {
+            float x[8];
             #pragma unroll
-            for (int u = 0; u < 4; ++u) x[u] = fminf(fmaxf(s[i][u], -qmax), qmax);
-            store_codes(out_codes, row_of(i, g), warp, t, x);
+            for (int j = 0; j < 8; ++j) x[j] = fminf(fmaxf(s[i][j], -qmax), qmax);
+            store_codes(out_codes, rb * 8 + i, cb, x);
+            if (cb == 0) out_scale[rb * 8 + i] = 1.0f;
         }
-        if (tid < V) out_scale[tid] = 1.0f;
 #else
-        {
-            // channel maxima: this thread's 4 columns, a reduce-scatter over the lanes t, then over the warps
-            float mx[16];
-            #pragma unroll
-            for (int i = 0; i < 16; ++i) {
-                float a = 0.0f;
-                #pragma unroll
-                for (int u = 0; u < 4; ++u) a = fmaxf(a, fabsf(s[i][u]));
-                mx[i] = a;
-            }
-            int first = 0;
-            scatter_level<16, true>(mx, lane, 2, first);
-            scatter_level<8, true>(mx, lane, 1, first);
-            #pragma unroll
-            for (int q = 0; q < 4; ++q) sm[SM_RED + warp * V + row_of(first + q, g)] = mx[q];
-        }
-        __syncthreads();
-        bool fast = true;
-        if (tid < V) {
+        float amax[8];
+        #pragma unroll
+        for (int i = 0; i < 8; ++i) {
             float a = 0.0f;
             #pragma unroll
-            for (int w = 0; w < 8; ++w) a = fmaxf(a, sm[SM_RED + w * V + tid]);
-            float scale = __fdiv_rn(a, qmax);
-            fast = scale == 0.0f || (scale >= 0x1p-60f && scale <= 0x1p60f);  // NaN: false
-            scale = scale == 0.0f ? 1.0f : scale;
-            *(float4*)(sm + SM_RED + SM_SCL + 4 * tid) = make_float4(scale, __frcp_rn(scale), fast ? 1.0f : 0.0f, 0.0f);
-#if !(LQ_LS && LQ_RESIDUAL != 3)
-            out_scale[tid] = scale;
-#endif
+            for (int j = 0; j < 8; ++j) a = fmaxf(a, fabsf(SMOOTHED(i, j)));
+            amax[i] = a;
         }
-        // every thread quantizes rows of every channel: whether all of them divide by reciprocals
-        const bool all_fast = __syncthreads_and(fast) != 0;
-        {
-#if LQ_LS && LQ_RESIDUAL != 3
-            float nd[32];  // +ls: <c, q> and <c, c> of each row over this thread's 4 keys
-#endif
+        #pragma unroll
+        for (int o = 1; o < 16; o <<= 1)
             #pragma unroll
-            for (int i = 0; i < 16; ++i) {
-                const float4 f = *(const float4*)(sm + SM_RED + SM_SCL + 4 * row_of(i, g));
-                float x[4];
+            for (int i = 0; i < 8; ++i) amax[i] = fmaxf(amax[i], __shfl_xor_sync(0xffffffffu, amax[i], o));
+        // thread cb works out the scale of row cb % 8 of its row group and hands it to the other 15
+        float mine = amax[0];
+        #pragma unroll
+        for (int i = 1; i < 8; ++i) mine = (cb & 7) == i ? amax[i] : mine;
+        float my_scale = __fdiv_rn(mine, qmax);
+        const int my_fast = my_scale == 0.0f || (my_scale >= 0x1p-60f && my_scale <= 0x1p60f);  // NaN: 0
+        my_scale = my_scale == 0.0f ? 1.0f : my_scale;
+        const float my_rcp = __frcp_rn(my_scale);
+        #pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const int src = (lane & 16) | i;
+            const float scale = __shfl_sync(0xffffffffu, my_scale, src);
+            const float rcp = __shfl_sync(0xffffffffu, my_rcp, src);
+            const bool fast = __shfl_sync(0xffffffffu, my_fast, src) != 0;
+            float x[8];
+            if (__all_sync(0xffffffffu, fast)) {
                 #pragma unroll
-                for (int u = 0; u < 4; ++u) x[u] = all_fast || f.z != 0.0f ? s[i][u] * f.y : __fdiv_rn(s[i][u], f.x);
-                float num = 0.0f, den = 0.0f;
+                for (int j = 0; j < 8; ++j) x[j] = SMOOTHED(i, j) * rcp;
+            } else {
                 #pragma unroll
-                for (int u = 0; u < 4; ++u) {
+                for (int j = 0; j < 8; ++j) x[j] = fast ? SMOOTHED(i, j) * rcp : __fdiv_rn(SMOOTHED(i, j), scale);
+            }
+            float num = 0.0f, den = 0.0f;  // +ls: <c, q> and <c, c> over this thread's 8 keys
+            #pragma unroll
+            for (int j = 0; j < 8; ++j) {
 #if LQ_RESIDUAL == 3
-                    x[u] = e4m3_grid(fminf(fmaxf(x[u], -qmax), qmax));
+                x[j] = e4m3_grid(fminf(fmaxf(x[j], -qmax), qmax));
 #else
-                    const float q = x[u];
-                    x[u] = fminf(fmaxf(rintf(q), -qmax), qmax);
-                    num = fmaf(x[u], q, num);
-                    den = fmaf(x[u], x[u], den);
-#endif
-                }
-                (void)num, (void)den;
-                store_codes(out_codes, row_of(i, g), warp, t, x);
-#if LQ_LS && LQ_RESIDUAL != 3
-                nd[2 * i] = num;
-                nd[2 * i + 1] = den;
+                const float q = x[j];
+                x[j] = fminf(fmaxf(rintf(q), -qmax), qmax);
+                num = fmaf(x[j], q, num);
+                den = fmaf(x[j], x[j], den);
 #endif
             }
+            store_codes(out_codes, rb * 8 + i, cb, x);
 #if LQ_LS && LQ_RESIDUAL != 3
-            // the refit as a ratio of quotients (|q| <= qmax: no overflow), as close.py and scale_fit.py: the
-            // sums over the lanes t (reduce-scatter), then over the warps
-            int first = 0;
-            scatter_level<32, false>(nd, lane, 2, first);
-            scatter_level<16, false>(nd, lane, 1, first);
+            // the refit as a ratio of quotients (|q| <= qmax: no overflow), as close.py and scale_fit.py
             #pragma unroll
-            for (int q = 0; q < 8; ++q)
-                sm[SM_RED + SM_LS + (warp * V + row_of((first + q) >> 1, g)) * 2 + ((first + q) & 1)] = nd[q];
-            __syncthreads();
-            if (tid < V) {
-                float num = 0.0f, den = 0.0f;
-                #pragma unroll
-                for (int w = 0; w < 8; ++w) {
-                    num += sm[SM_RED + SM_LS + (w * V + tid) * 2];
-                    den += sm[SM_RED + SM_LS + (w * V + tid) * 2 + 1];
-                }
-                const float scale = sm[SM_RED + SM_SCL + 4 * tid];
-                const float ratio = __fdiv_rn(num, den > 0.0f ? den : 1.0f);
-                out_scale[tid] = den > 0.0f && ratio > 0.0f ? __fmul_rn(scale, ratio) : scale;
+            for (int o = 1; o < 16; o <<= 1) {
+                num += __shfl_xor_sync(0xffffffffu, num, o);
+                den += __shfl_xor_sync(0xffffffffu, den, o);
             }
+            const float ratio = __fdiv_rn(num, den > 0.0f ? den : 1.0f);
+            const float stored = den > 0.0f && ratio > 0.0f ? __fmul_rn(scale, ratio) : scale;
+#else
+            const float stored = scale;
 #endif
+            if (cb == 0) out_scale[rb * 8 + i] = stored;
         }
 #endif
+#undef SMOOTHED
 
         // ---- the head's new tokens, smoothing scales and position ----
 #if R > 0
         for (int e = tid; e < R * K; e += NT) head_at(comp_k, i_s, R * K, hv, sh_comp_k)[e] = f2h(sm[SM_Q + e]);
-        for (int e = tid; e < R * V; e += NT)
-            head_at(comp_u, i_s, R * V, hv, sh_comp_u)[e] = f2h(sm[SM_BASIS + (e % V) * CL_RP + e / V]);
+        for (int e = tid; e < R * V; e += NT) head_at(comp_u, i_s, R * V, hv, sh_comp_u)[e] = f2h(sm[SM_BASIS + e]);
 #endif
 #if LQ_SMOOTH
-        if (g == 0)  // lanes g hold the same sums: one of them writes (4-byte stores: a pool may be off 16 bytes)
-            #pragma unroll
-            for (int u = 0; u < 4; ++u) head_at(smooth, i_s, K, hv, sh_smooth)[16 * warp + 4 * t + u] = cval[u];
+        for (int e = tid; e < K; e += NT) head_at(smooth, i_s, K, hv, sh_smooth)[e] = sm[SM_C + e];
 #endif
         if (tid == 0) *head_at(pos, i_s, 1, hv, sh_pos) = 0;
 #if LQ_PREFETCH

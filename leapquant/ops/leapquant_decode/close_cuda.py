@@ -96,13 +96,7 @@ def shared_bytes(cfg: PoolConfig, *, prefetch: bool = False) -> int:
     """Dynamic shared memory of one block (the ``SM_*`` layout of ``close.cu``), with or without the staging
     area of the next head's inputs."""
     k, v, p, r = cfg.d_k, cfg.d_v, cfg.window, cfg.compensators
-    vector, rec16 = cfg.decay == "vector", cfg.records == "fp16"
-    steps = -(-(r + p) // 8)  # the rebuild's k-steps of 8 ranks
-    a_floats = 8 if not (vector and rec16) else 4  # a lane's fragment floats: tf32 halves where split
-    b_floats = 8 if vector or not rec16 else 4
-    fragments = steps * 8 * 32 * (a_floats + b_floats)
-    token_rows = 8 if r > 4 else 4
-    floats = max(fragments, 8 * v * token_rows * (r > 0), 28 * v) + k + v * token_rows + r * k
+    floats = p * k + p * v + r * k + r * v + k + r * v + r * k + 8 * 4 * k + 2 * k
     if prefetch:  # the inputs as stored: codes, channel scales, log decays, records, smoothing, fp16 tokens
         code_bits = 4 if cfg.format.code == 4 else 8
         decays = p * (k if cfg.decay == "vector" else 1)
