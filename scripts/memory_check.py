@@ -6,17 +6,17 @@
 Weights are random bf16 tensors of the model's real shapes (``--layers N`` keeps N decoder layers in the
 model's linear:full ratio, for models that do not fit); the recurrent state is allocated by the library
 itself (``LeapQuantPool.allocate`` / ``PerStepPool.allocate`` per linear layer) where a kernel pool exists,
-everything else as plain tensors of the planned shapes.  On CUDA each group is measured with
-``torch.cuda.memory_allocated`` and compared with the plan rounded up to the caching allocator's 512-byte
-blocks; on the CPU (no CUDA, or ``--device cpu``) with the sum of tensor storage bytes, which must equal
-the plan exactly.  Prints a table, writes JSON, exits 1 when a group is off by more than ``--tolerance``.
+everything else as plain tensors of the planned shapes.  Each group is measured by the bytes its tensors
+request, which must equal the plan exactly: on CUDA the caching allocator's ``requested_bytes`` (its
+``allocated_bytes`` are reported beside them, not checked: a request served from a cached block that is too
+small to split counts the whole block, so they depend on what was freed before), on the CPU (no CUDA, or
+``--device cpu``) the sum of tensor storage bytes.  Prints a table, writes JSON, exits 1 when a group is off.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -28,9 +28,8 @@ from leapquant.methods import parse_method
 from leapquant.ops.per_step_decode import PerStepPool
 from leapquant.ops.pool import LeapQuantPool, PoolConfig
 from leapquant.plan import buffer_plan, load_shape
-from leapquant.plan.memory import DTYPE_BYTES, state_layout
+from leapquant.plan.memory import state_layout
 
-BLOCK = 512  # CUDA caching allocator granularity (every block is a multiple of 512 bytes)
 GROUPS = ("weights", "state", "conv", "kv", "checkpoint_state", "checkpoint_conv")
 
 
@@ -46,7 +45,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--device", default="auto", help="auto (cuda if available), cuda or cpu")
     p.add_argument("--no-weights", action="store_true", help="skip the weights")
-    p.add_argument("--tolerance", type=float, default=0.001, help="allowed relative difference on CUDA")
     p.add_argument("--json", required=True, metavar="OUT", help="where to write the JSON report")
     return p.parse_args(argv)
 
@@ -63,20 +61,30 @@ def reduced_shape(shape, layers: int | None):
 
 
 class Meter:
-    """Bytes held by the tensors a block allocates: CUDA allocator delta, or storage bytes on the CPU."""
+    """Bytes the tensors a block allocates ask for (CUDA: the allocator's requested bytes; CPU: storage
+    bytes), and on CUDA the allocator's allocated bytes for them (``None`` on the CPU)."""
 
     def __init__(self, device: torch.device):
         self.device = device
 
-    def __call__(self, allocate) -> tuple[list[torch.Tensor], int]:
+    def _stats(self) -> tuple[int, int]:
+        stats = torch.cuda.memory_stats(self.device)
+        if "requested_bytes.all.current" not in stats:
+            raise LeapQuantError(
+                f"torch {torch.__version__}: its CUDA allocator does not count requested bytes"
+            )
+        return stats["requested_bytes.all.current"], stats["allocated_bytes.all.current"]
+
+    def __call__(self, allocate) -> tuple[list[torch.Tensor], int, int | None]:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            before = torch.cuda.memory_allocated(self.device)
+            requested, allocated = self._stats()
             tensors = allocate()
             torch.cuda.synchronize(self.device)
-            return tensors, torch.cuda.memory_allocated(self.device) - before
+            requested_after, allocated_after = self._stats()
+            return tensors, requested_after - requested, allocated_after - allocated
         tensors = allocate()
-        return tensors, sum(t.untyped_storage().nbytes() for t in tensors)
+        return tensors, sum(t.untyped_storage().nbytes() for t in tensors), None
 
 
 def allocate_specs(specs, device, random_init: bool = False) -> list[torch.Tensor]:
@@ -108,11 +116,6 @@ def allocate_state(shape, method, batch, specs, device) -> list[torch.Tensor]:
     return allocate_specs(specs, device)
 
 
-def rounded(specs) -> int:
-    """Planned bytes with every tensor rounded up to the allocator's 512-byte blocks."""
-    return sum(b.count * BLOCK * math.ceil(math.prod(b.shape) * DTYPE_BYTES[b.dtype] / BLOCK) for b in specs)
-
-
 def check(args) -> dict:
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -128,14 +131,14 @@ def check(args) -> dict:
         "context": args.context,
         "prefix_cache_interval": args.prefix_cache_interval,
         "device": str(device),
-        "measure": "torch.cuda.memory_allocated delta" if device.type == "cuda" else "sum of storage nbytes",
+        "measure": "CUDA allocator requested bytes" if device.type == "cuda" else "sum of storage nbytes",
         "methods": {},
     }
     weights = []
     if not args.no_weights:
         wspecs = [b for b in buffer_plan(shape, methods[0], **kw) if b.group == "weights"]
-        weights, measured = meter(lambda: allocate_specs(wspecs, device, random_init=True))
-        report["weights"] = _row(wspecs, measured)
+        weights, measured, allocated = meter(lambda: allocate_specs(wspecs, device, random_init=True))
+        report["weights"] = _row(wspecs, measured, allocated)
     for method in methods:
         plan = buffer_plan(shape, method, **kw, weights=False)
         rows = {}
@@ -144,12 +147,12 @@ def check(args) -> dict:
             if not specs:
                 continue
             if group == "state":
-                held, measured = meter(
+                held, measured, allocated = meter(
                     lambda s=specs, m=method: allocate_state(shape, m, args.batch, s, device)
                 )
             else:
-                held, measured = meter(lambda s=specs: allocate_specs(s, device))
-            rows[group] = _row(specs, measured)
+                held, measured, allocated = meter(lambda s=specs: allocate_specs(s, device))
+            rows[group] = _row(specs, measured, allocated)
             del held
         report["methods"][method] = rows
         if device.type == "cuda":
@@ -158,22 +161,22 @@ def check(args) -> dict:
     return report
 
 
-def _row(specs, measured: int) -> dict:
-    return {"planned": sum(b.nbytes for b in specs), "planned_rounded": rounded(specs), "measured": measured}
+def _row(specs, measured: int, allocated: int | None) -> dict:
+    row = {"planned": sum(b.nbytes for b in specs), "measured": measured}
+    if allocated is not None:
+        row["allocated"] = allocated
+    return row
 
 
-def verdict(report: dict, tolerance: float) -> list[str]:
-    """Groups whose measured bytes differ from the plan (exactly on the CPU, beyond tolerance on CUDA)."""
-    cuda = report["device"].startswith("cuda")
+def verdict(report: dict) -> list[str]:
+    """Groups whose measured (requested) bytes differ from the plan."""
     rows = [("weights", "weights", report["weights"])] if "weights" in report else []
     rows += [(m, g, r) for m, groups in report["methods"].items() for g, r in groups.items()]
-    bad = []
-    for method, group, r in rows:
-        target = r["planned_rounded"] if cuda else r["planned"]
-        off = abs(r["measured"] - target)
-        if (cuda and off > tolerance * max(target, 1)) or (not cuda and off):
-            bad.append(f"{method}/{group}: planned {target} B, measured {r['measured']} B")
-    return bad
+    return [
+        f"{method}/{group}: planned {r['planned']} B, measured {r['measured']} B"
+        for method, group, r in rows
+        if r["measured"] != r["planned"]
+    ]
 
 
 def print_table(report: dict) -> None:
@@ -182,21 +185,14 @@ def print_table(report: dict) -> None:
 
     table = Table(title=f"memory check: {report['model']}, B={report['batch']}, context {report['context']}, "
                   f"{report['device']} ({report['measure']})", title_justify="left")  # fmt: skip
-    for col in (
-        "method",
-        "group",
-        "planned B",
-        "planned (512-rounded) B",
-        "measured B",
-        "measured / planned",
-    ):
+    for col in ("method", "group", "planned B", "measured B", "measured / planned", "allocator blocks B"):
         table.add_column(col, justify="left" if col in ("method", "group") else "right")
     rows = [("-", "weights", report["weights"])] if "weights" in report else []
     rows += [(m, g, r) for m, groups in report["methods"].items() for g, r in groups.items()]
     for method, group, r in rows:
         ratio = r["measured"] / r["planned"] if r["planned"] else float("nan")
-        table.add_row(method, group, f"{r['planned']:,}", f"{r['planned_rounded']:,}", f"{r['measured']:,}",
-                      f"{ratio:.6f}")  # fmt: skip
+        blocks = f"{r['allocated']:,}" if "allocated" in r else "-"
+        table.add_row(method, group, f"{r['planned']:,}", f"{r['measured']:,}", f"{ratio:.6f}", blocks)
     Console(width=200).print(table)
 
 
@@ -207,7 +203,7 @@ def main(argv=None) -> int:
     except LeapQuantError as exc:
         print(f"memory_check: error: {exc}", file=sys.stderr)
         return 2
-    report["mismatches"] = verdict(report, args.tolerance)
+    report["mismatches"] = verdict(report)
     report["provenance"] = provenance(cuda=report["device"].startswith("cuda"))
     print_table(report)
     path = Path(args.json)
