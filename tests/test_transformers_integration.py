@@ -294,6 +294,42 @@ def test_last_unpatch_restores_the_modeling_functions():
     assert module.torch_recurrent_gated_delta_rule is before
 
 
+@pytest.mark.parametrize("arch", ["qwen3_5", "kimi_linear"])
+@pytest.mark.parametrize("method", ["fp32", "int8", "leapquant-int8"])
+def test_a_cpu_model_runs_torch_kernels_where_fla_would_be_picked(arch, method, monkeypatch):
+    """Where FLA imports, transformers' kernel functions call its Triton kernels whatever the tensors'
+    device (GPU machines: ``leapquant eval --device cpu`` failed inside FLA). Stand-ins that refuse CPU
+    tensors, as FLA's launcher does, wrap the torch functions as transformers does: a patched CPU model
+    never calls them, and computes what it computes with the torch functions themselves."""
+    import functools
+    import sys
+
+    from leapquant.integrations.transformers import SUPPORTED_LAYERS
+
+    model = tiny_model(arch)
+    ids = torch.randint(3, 64, (2, 14), generator=torch.Generator().manual_seed(3))
+    patched = leapquant.patch(model, method, backend="reference64")
+    expected, _ = _teacher_forced(model, ids, 6)
+    patched.unpatch()
+    module = sys.modules[type(linear_attention_layers(model)[0][1]).__module__]
+    kind = SUPPORTED_LAYERS[type(linear_attention_layers(model)[0][1]).__name__]
+    for name in (kind.chunk_fn, kind.recurrent_fn):
+        torch_fn = getattr(module, name)
+
+        @functools.wraps(torch_fn)
+        def fla_like(query, *args, _fn=torch_fn, **kwargs):
+            if query.device.type == "cpu":
+                raise ValueError("Pointer argument (at 0) cannot be accessed from Triton (cpu tensor?)")
+            return _fn(query, *args, **kwargs)
+
+        assert fla_like.__module__ == module.__name__  # as transformers' wrapper: the function's own module
+        monkeypatch.setattr(module, name, fla_like)
+    patched = leapquant.patch(model, method, backend="reference64")
+    logits, _ = _teacher_forced(model, ids, 6)
+    patched.unpatch()
+    assert torch.equal(logits, expected)
+
+
 PER_STEP_BASELINES = [
     "bf16", "int8", "int6", "int4", "mxfp8", "mxfp6-e2m3", "mxfp4", "nvfp6", "nvfp4", "kvquant-int8",
     "kvquant-int4", "quarot-int8", "quarot-int4", "turboquant-8", "turboquant-4",

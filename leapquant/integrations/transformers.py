@@ -116,18 +116,36 @@ def _release_dispatchers(module_name: str, kind: _LayerKind) -> None:
         del _DISPATCH_USERS[module_name]
 
 
+def _torch_kernel(fn: Callable) -> Callable:
+    """The torch function under transformers' wrappers of ``fn`` (``use_kernel_func_from_hub_with_fallback``
+    keeps it as ``__wrapped__``); ``fn`` itself if it is no transformers wrapper (a timing wrapper, say)."""
+    while getattr(fn, "__module__", "").startswith("transformers.") and hasattr(fn, "__wrapped__"):
+        fn = fn.__wrapped__
+    return fn
+
+
+def _for_device(fn: Callable, device: torch.device) -> Callable:
+    """``fn``, one of transformers' linear-attention kernel functions, or on the CPU its torch function:
+    where FLA imports, transformers calls FLA's Triton kernels for tensors on any device, and those take
+    CUDA tensors only."""
+    return _torch_kernel(fn) if device.type == "cpu" else fn
+
+
 def _dispatcher(original: Callable, chunked: bool) -> Callable:
+    reference = _torch_kernel(original)
+
     def dispatch(query, key, value, *args, **kwargs):
+        kernel = reference if query.device.type == "cpu" else original
         active = _ACTIVE.get()
         if active is None:
-            return original(query, key, value, *args, **kwargs)
+            return kernel(query, key, value, *args, **kwargs)
         if args:  # going around the patch would leave the state unquantized without a word
             raise LeapQuantError(
                 f"{getattr(original, '__name__', 'the kernel')} was called with positional arguments past "
                 "query, key and value: this transformers version is not supported by leapquant.patch"
             )
         layer, cache = active
-        return layer.run(original, chunked, cache, query, key, value, **kwargs)
+        return layer.run(kernel, chunked, cache, query, key, value, **kwargs)
 
     dispatch._leapquant_dispatcher = True
     dispatch.__wrapped__ = original
@@ -191,6 +209,7 @@ class _PatchedLayer:
         """This patch's states for the dense ``state [B, HV, K, V]`` (fp32), kept in ``cache``'s store; the
         patch learns of the cache here, once, rather than at every step (unpatch writes states back)."""
         recurrent = sys.modules[type(self.module).__module__].__dict__[self.kind.recurrent_fn].__wrapped__
+        recurrent = _for_device(recurrent, state.device)
         groups = store[self.layer_idx] = RowGroups(self.patched, self.layer_idx, self.kind, recurrent, state)
         self.patched._caches.add(cache)
         return groups
