@@ -298,36 +298,60 @@ def test_last_unpatch_restores_the_modeling_functions():
 @pytest.mark.parametrize("method", ["fp32", "int8", "leapquant-int8"])
 def test_a_cpu_model_runs_torch_kernels_where_fla_would_be_picked(arch, method, monkeypatch):
     """Where FLA imports, transformers' kernel functions call its Triton kernels whatever the tensors'
-    device (GPU machines: ``leapquant eval --device cpu`` failed inside FLA). Stand-ins that refuse CPU
-    tensors, as FLA's launcher does, wrap the torch functions as transformers does: a patched CPU model
-    never calls them, and computes what it computes with the torch functions themselves."""
+    device (GPU machines: ``leapquant eval --device cpu`` failed inside FLA). Here transformers' own wrapper
+    (``use_kernel_func_from_hub_with_fallback``) is built around each torch function with a stand-in package
+    whose kernels refuse CPU tensors, as FLA's launcher does: a patched CPU model never calls them, and
+    computes what it computes with the torch functions. A wrapper of the user's (a profiler made with
+    ``functools.wraps``) is still called (around FLA it would still fail: it calls what it wraps)."""
     import functools
     import sys
+    import types
 
-    from leapquant.integrations.transformers import SUPPORTED_LAYERS
+    from transformers.integrations.hub_kernels import use_kernel_func_from_hub_with_fallback
+
+    from leapquant.integrations.transformers import SUPPORTED_LAYERS, _torch_kernel
 
     model = tiny_model(arch)
     ids = torch.randint(3, 64, (2, 14), generator=torch.Generator().manual_seed(3))
     patched = leapquant.patch(model, method, backend="reference64")
     expected, _ = _teacher_forced(model, ids, 6)
     patched.unpatch()
-    module = sys.modules[type(linear_attention_layers(model)[0][1]).__module__]
-    kind = SUPPORTED_LAYERS[type(linear_attention_layers(model)[0][1]).__name__]
-    for name in (kind.chunk_fn, kind.recurrent_fn):
-        torch_fn = getattr(module, name)
 
-        @functools.wraps(torch_fn)
-        def fla_like(query, *args, _fn=torch_fn, **kwargs):
-            if query.device.type == "cpu":
-                raise ValueError("Pointer argument (at 0) cannot be accessed from Triton (cpu tensor?)")
-            return _fn(query, *args, **kwargs)
+    def refuse_cpu(query, key, value, g=None, beta=None, initial_state=None, output_final_state=False,
+                   use_qk_l2norm_in_kernel=False, **kwargs):  # fmt: skip
+        if query.device.type == "cpu":
+            raise ValueError("Pointer argument (at 0) cannot be accessed from Triton (cpu tensor?)")
+        raise AssertionError("the tests run on the CPU")
 
-        assert fla_like.__module__ == module.__name__  # as transformers' wrapper: the function's own module
-        monkeypatch.setattr(module, name, fla_like)
+    layer = linear_attention_layers(model)[0][1]
+    module = sys.modules[type(layer).__module__]
+    kind = SUPPORTED_LAYERS[type(layer).__name__]
+    torch_fns = {name: _torch_kernel(getattr(module, name)) for name in (kind.chunk_fn, kind.recurrent_fn)}
+    for name, fn in torch_fns.items():
+        package = f"fla_like_{name}"
+        monkeypatch.setitem(sys.modules, package, types.SimpleNamespace(**{name: refuse_cpu}))
+        monkeypatch.setattr(module, name, use_kernel_func_from_hub_with_fallback(name, package)(fn))
+    with pytest.raises(ValueError, match="cpu tensor"):  # the stand-in is what transformers would call
+        _teacher_forced(model, ids, 6)
     patched = leapquant.patch(model, method, backend="reference64")
     logits, _ = _teacher_forced(model, ids, 6)
     patched.unpatch()
     assert torch.equal(logits, expected)
+
+    calls = []  # without FLA (transformers falls back to the torch function), a profiler of the user's
+    for name, fn in torch_fns.items():
+        hub = use_kernel_func_from_hub_with_fallback(name, "no_package_of_this_name")(fn)
+
+        @functools.wraps(hub)
+        def profiled(*args, _fn=hub, **kwargs):
+            calls.append(1)
+            return _fn(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, profiled)
+    patched = leapquant.patch(model, method, backend="reference64")
+    logits, _ = _teacher_forced(model, ids, 6)
+    patched.unpatch()
+    assert torch.equal(logits, expected) and calls  # is not stepped over
 
 
 PER_STEP_BASELINES = [

@@ -118,8 +118,15 @@ def _release_dispatchers(module_name: str, kind: _LayerKind) -> None:
 
 def _torch_kernel(fn: Callable) -> Callable:
     """The torch function under transformers' wrappers of ``fn`` (``use_kernel_func_from_hub_with_fallback``
-    keeps it as ``__wrapped__``); ``fn`` itself if it is no transformers wrapper (a timing wrapper, say)."""
-    while getattr(fn, "__module__", "").startswith("transformers.") and hasattr(fn, "__wrapped__"):
+    keeps it as ``__wrapped__``); ``fn`` itself if it is no transformers wrapper (a timing wrapper, a
+    profiler).  A wrapper is transformers' if its code is: ``functools.wraps`` copies ``__module__``, not
+    ``__code__``."""
+    import transformers
+
+    root = os.path.dirname(transformers.__file__) + os.sep
+    while hasattr(fn, "__wrapped__") and getattr(fn, "__code__", None) is not None:
+        if not fn.__code__.co_filename.startswith(root):
+            break
         fn = fn.__wrapped__
     return fn
 
