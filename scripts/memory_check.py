@@ -68,6 +68,11 @@ class Meter:
         self.device = device
 
     def _stats(self) -> tuple[int, int]:
+        if torch.cuda.get_allocator_backend() != "native":  # cudaMallocAsync keeps no requested bytes
+            raise LeapQuantError(
+                f"the CUDA allocator backend is {torch.cuda.get_allocator_backend()!r}: the check reads the "
+                "native caching allocator's requested bytes (unset PYTORCH_CUDA_ALLOC_CONF=backend:...)"
+            )
         stats = torch.cuda.memory_stats(self.device)
         if "requested_bytes.all.current" not in stats:
             raise LeapQuantError(
