@@ -566,6 +566,51 @@ def test_close_matches_reference_across_fit_options(family, residual, rank, smoo
     assert rel(dense[0], dense[1]) < 0.5 * rel(dense[1], dense[2])
 
 
+NAN_CASES = [
+    pytest.param("gdn", "int8", 4, id="gdn-int8-r4"),
+    pytest.param("kda", "int8", 4, id="kda-int8-r4"),
+    pytest.param("gdn", "int4", 8, id="gdn-int4-r8"),
+    pytest.param("gdn", "int8", 0, id="gdn-int8-r0"),
+]
+
+
+@pytest.mark.parametrize(("family", "residual", "rank", "close_impl"), with_close_impls(NAN_CASES, 1, 2))
+def test_a_nan_token_stays_in_its_slot_through_window_closes(family, residual, rank, close_impl):
+    """A NaN in one token of one sequence makes that sequence's head non-finite from then on, through the
+    window closes that requantize it (as an fp32 state would stay NaN), and touches no other sequence or
+    head.  A close that took channel maxima or clamped codes with NaN-dropping min/max would turn the head
+    into finite codes without a word."""
+    from leapquant.ops.leapquant_decode import LaunchConfig
+
+    n, h, hv, window = 3, 1, 2, 4
+    gen = torch.Generator(device=DEVICE).manual_seed(21 + rank)
+    cfg = pool_config(heads=hv, d_k=K, d_v=V, window=window, compensators=rank, smoothing=rank > 0,
+                      residual=residual, decay="vector" if family == "kda" else "scalar")  # fmt: skip
+    slots = torch.arange(n, dtype=torch.int32, device=DEVICE)
+    pools = {b: LeapQuantPool.allocate(cfg, n, DEVICE) for b in ("triton", "reference")}
+    s0 = 0.3 * torch.randn(n, hv, K, V, generator=gen, device=DEVICE)
+    for backend, pool in pools.items():
+        load_states(pool, slots, s0, backend=backend)
+    launch = LaunchConfig(close_impl=close_impl)
+    for t in range(3 * window):  # the NaN in the first window, then two closes
+        x = tokens(family, n, h, hv, gen)
+        if t == 1:
+            x[2][1, 0, 3] = float("nan")  # sequence 1, value head 0, one value channel
+        outs = {b: leapquant_decode(p, slots, *x, backend=b, launch=launch) for b, p in pools.items()}
+        if t >= 1:
+            for backend, out in outs.items():
+                assert not torch.isfinite(out[1, 0]).all(), (backend, t)
+                assert torch.isfinite(out[[0, 2]]).all() and torch.isfinite(out[1, 1]).all(), (backend, t)
+    for backend, pool in pools.items():
+        states = materialize_states(pool, slots, backend=backend)
+        assert not torch.isfinite(states[1, 0]).all(), backend
+        assert torch.isfinite(states[[0, 2]]).all() and torch.isfinite(states[1, 1]).all(), backend
+    finite = torch.ones(n, hv, dtype=torch.bool, device=DEVICE)
+    finite[1, 0] = False
+    dense = [materialize_states(p, slots, backend=b)[finite] for b, p in pools.items()]
+    assert rel(dense[0], dense[1]) < 2e-2  # the other heads as the reference has them
+
+
 FORGETFUL_CASES = [
     pytest.param("gdn", "int4", 8, id="gdn-int4-r8"),
     pytest.param("kda", "int4", 8, id="kda-int4-r8"),
