@@ -66,9 +66,10 @@ def _gates(family, hv, d):
     return a_log, dt_bias
 
 
-def run_scenario(family: str, method: str, backend: str, *, h=1, hv=2, d=32, seed=0, paged=True):
+def run_scenario(family: str, method: str, backend: str, *, h=1, hv=2, d=32, seed=0, paged=True, nan_at=None):
     """STEPS through the adapter: per-request outputs, the pool, its pages and their copy from before.
-    ``paged=False``: the same start on a contiguous copy of the pool (``pages`` is then that copy's)."""
+    ``paged=False``: the same start on a contiguous copy of the pool (``pages`` is then that copy's);
+    ``nan_at=(request, token, head)``: a NaN in that token's first value channel."""
     gen = torch.Generator().manual_seed(seed)
     decay = "vector" if family == "kda" else "scalar"
     cfg = pool_config(parse_method(method), heads=hv, d_k=d, d_v=d, decay=decay)
@@ -86,6 +87,8 @@ def run_scenario(family: str, method: str, backend: str, *, h=1, hv=2, d=32, see
     total = {r: sum(n for st in STEPS for rr, n in st.get("prefill", []) if rr == r)
              + sum(r in st.get("decode", []) for st in STEPS) for r in SLOTS}  # fmt: skip
     streams = {r: token_stream(family, total[r], h, hv, d, gen) for r in SLOTS}
+    if nan_at is not None:
+        streams[nan_at[0]]["v"][nan_at[1], nan_at[2], 0] = float("nan")
     seen = dict.fromkeys(SLOTS, 0)
     outputs = {r: [] for r in SLOTS}
     prefill = lambda *x: reference_prefill(*x, A_log=a_log, dt_bias=dt_bias)  # noqa: E731
@@ -200,6 +203,30 @@ def test_adapter_matches_replay_and_tracks_fp32(family, method):
         assert err < (0.08 if "int4" in method else 0.02), (r, err)
     # windows closed along the way: 12+ decode tokens for A and C at window 4
     assert pool.pos[SLOTS["A"], 0].item() == (sum("A" in s.get("decode", []) for s in STEPS)) % cfg.window
+
+
+@pytest.mark.parametrize("method", ["int8/w4+ct2+smooth", "bf16/w4"], ids=["int8", "bf16-no-scales"])
+def test_a_prefill_left_non_finite_poisons_its_heads_not_the_engine(method, caplog):
+    """Request B's first prompt token carries a NaN in value head 0 (an overflow upstream). Raising there
+    (``load_states`` refuses non-finite states) would end the engine and every request in it; instead B's
+    head 0 is stored as NaN, so its outputs stay non-finite through decode and window closes, as an fp32
+    state's would, an error names the slot, and every other head and request computes what it computes
+    without the NaN."""
+    import logging
+
+    clean, _, _, _, _, _, _ = run_scenario("gdn", method, "auto", seed=5)
+    with caplog.at_level(logging.ERROR, logger="leapquant.integrations.vllm.adapter"):
+        got = run_scenario("gdn", method, "auto", seed=5, nan_at=("B", 0, 0))
+    outputs, pool, pages, before = got[:4]
+    assert f"slot(s) [{SLOTS['B']}] (heads [0])" in caplog.text
+    assert untouched(pages, before)
+    same = torch.equal if DEVICE == "cpu" else lambda x, y: torch.allclose(x, y, rtol=1e-5, atol=1e-6)
+    for r in ("A", "C"):
+        assert same(outputs[r], clean[r]), r
+    assert same(outputs["B"][:, 1], clean["B"][:, 1])
+    assert not torch.isfinite(outputs["B"][:, 0]).all(-1).any()  # every token after the NaN
+    states = materialize_states(pool, torch.tensor([SLOTS["B"]], dtype=torch.int32, device=DEVICE))
+    assert not torch.isfinite(states[0, 0]).any() and torch.isfinite(states[0, 1]).all()
 
 
 PAGED_CASES = [("gdn", "int8/w4+ct2+smooth"), ("kda", "int4/w4+ct2+smooth")]

@@ -22,6 +22,7 @@ Token tensors are token-major as vLLM's layers hold them: ``q, k [T, H, K]``, ``
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -31,6 +32,8 @@ import torch
 from ...errors import LeapQuantError
 from ...methods.config import MethodConfig
 from ...ops.pool import LeapQuantPool, PoolConfig, pool_unsupported
+
+_log = logging.getLogger(__name__)
 
 __all__ = [
     "LinearAttentionBatch",
@@ -158,7 +161,9 @@ def run_linear_attention(
     method's state as stored); prefill rows start from their slot's materialized state (zeros for a new
     sequence), run ``prefill`` in full precision and hand the final state back in the pool's format, so
     chunked prefill and prefix-cache hits continue from the state as stored. Slots outside the batch and
-    padded rows (slot -1) are never touched.
+    padded rows (slot -1) are never touched. A prefill that leaves a head's state non-finite (an overflow
+    upstream) logs an error and stores that head as NaN rather than raising, which would end every
+    request of the engine: that request's outputs stay non-finite, as with the engine's own fp32 state.
     """
     from ...ops.leapquant_decode import leapquant_decode, load_states, materialize_states
 
@@ -188,7 +193,23 @@ def run_linear_attention(
         initial[has_initial] = materialize_states(pool, slots[has_initial], layout="kv", backend=backend)
     o, final = prefill(q[lo:hi], k[lo:hi], v[lo:hi], a[lo:hi], b[lo:hi], initial, cu)
     out[lo:hi] = o
-    load_states(pool, slots, final, layout="kv", backend=backend)
+    bad = ~torch.isfinite(final).flatten(2).all(2)  # [N, HV]
+    if not bool(bad.any()):
+        load_states(pool, slots, final, layout="kv", backend=backend)
+        return
+    # One request's overflow must not end every request of the engine (load_states refuses a non-finite
+    # state): its heads are stored as NaN, so that its outputs stay non-finite from here as an fp32 state's
+    # would, and the other heads and slots are stored as usual.
+    rows, heads = bad.nonzero(as_tuple=True)
+    _log.error(
+        "leapquant: the prefill left a non-finite (NaN/Inf) state in slot(s) %s (heads %s); those heads are "
+        "stored as NaN and their requests' outputs will not be finite",
+        slots[rows].tolist(),
+        heads.tolist(),
+    )
+    load_states(pool, slots, final.masked_fill(bad[:, :, None, None], 0.0), layout="kv", backend=backend)
+    poison = pool.tensors["scale"] if "scale" in pool.tensors else pool.tensors["payload"]
+    poison[slots[rows].long(), heads] = float("nan")
 
 
 def reference_prefill(
