@@ -163,7 +163,9 @@ def run_linear_attention(
     chunked prefill and prefix-cache hits continue from the state as stored. Slots outside the batch and
     padded rows (slot -1) are never touched. A prefill that leaves a head's state non-finite (an overflow
     upstream) logs an error and stores that head as NaN rather than raising, which would end every
-    request of the engine: that request's outputs stay non-finite, as with the engine's own fp32 state.
+    request of the engine: that request's outputs stay non-finite, as with the engine's own fp32 state
+    (through window closes on the CPU the plugin runs on; the CUDA close's channel maxima drop NaN, so a
+    head without compensator tokens would come out of its next close finite there).
     """
     from ...ops.leapquant_decode import leapquant_decode, load_states, materialize_states
 
