@@ -195,10 +195,13 @@ def run_linear_attention(
         initial[has_initial] = materialize_states(pool, slots[has_initial], layout="kv", backend=backend)
     o, final = prefill(q[lo:hi], k[lo:hi], v[lo:hi], a[lo:hi], b[lo:hi], initial, cu)
     out[lo:hi] = o
-    bad = ~torch.isfinite(final).flatten(2).all(2)  # [N, HV]
-    if not bool(bad.any()):
-        load_states(pool, slots, final, layout="kv", backend=backend)
+    try:
+        load_states(pool, slots, final, layout="kv", backend=backend)  # checks finiteness before any write
         return
+    except LeapQuantError:
+        bad = ~torch.isfinite(final).flatten(2).all(2)  # [N, HV]
+        if not bool(bad.any()):
+            raise
     # One request's overflow must not end every request of the engine (load_states refuses a non-finite
     # state): its heads are stored as NaN, so that its outputs stay non-finite from here as an fp32 state's
     # would, and the other heads and slots are stored as usual.
